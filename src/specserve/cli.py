@@ -1,0 +1,121 @@
+"""`specserve` command line: generate, train-target, bench (and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from specserve.cli_args import (
+    add_model_args,
+    add_sampling_args,
+    add_speculative_args,
+    sampling_from_args,
+    speculative_from_args,
+)
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from specserve.engine.llm import LLM
+
+    params = sampling_from_args(a)  # validate flags before loading anything
+    spec = speculative_from_args(a)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec)
+    prompt = a.prompt
+    if a.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    [res] = llm.generate([prompt], params)
+    if a.json:
+        out = {
+            "text": res.text, "token_ids": res.token_ids, "num_tokens": res.num_tokens,
+            "prompt_tokens": res.prompt_tokens, "finish_reason": res.finish_reason,
+            "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
+            "speculative_algorithm": spec.algorithm,
+        }
+        if spec.enabled:
+            out.update({
+                "accept_length": round(res.accept_length, 4), "num_verify_steps": res.num_verify_steps,
+                "accept_per_position": [round(x, 4) for x in res.accept_per_position],
+                "draft_s": round(res.draft_s, 4), "verify_s": round(res.verify_s, 4),
+            })
+        print(json.dumps(out))
+    else:
+        print(a.prompt + res.text if not a.chat else res.text)
+        print(f"[{res.num_tokens} tokens, {res.tokens_per_s:.1f} tok/s"
+              + (f", accept length {res.accept_length:.2f}" if spec.enabled else "") + "]", file=sys.stderr)
+    return 0
+
+
+def _train_target(a: argparse.Namespace) -> int:
+    from specserve.train.target import TargetTrainConfig, train
+
+    cfg = TargetTrainConfig(
+        out=Path(a.out), work=Path(a.work), vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+        num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+        intermediate_size=a.intermediate_size, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
+        warmup_steps=a.warmup_steps, max_steps=a.max_steps, max_minutes=a.max_minutes, seed=a.seed,
+        threads=a.threads, compile=a.compile,
+    )
+    print(json.dumps(train(cfg, resume=a.resume)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline (plain or speculative)")
+    add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_sampling_args(g)
+    add_speculative_args(g)
+    g.set_defaults(func=_generate)
+
+    t = sub.add_parser("train-target", help="train the bundled demo target (tokenizer + Qwen3 model)")
+    t.add_argument("--out", default="runs/demo-target")
+    t.add_argument("--work", default="runs/target-work")
+    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--hidden-size", type=int, default=384)
+    t.add_argument("--num-layers", type=int, default=6)
+    t.add_argument("--num-heads", type=int, default=6)
+    t.add_argument("--num-kv-heads", type=int, default=2)
+    t.add_argument("--intermediate-size", type=int, default=1024)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--lr", type=float, default=1.5e-3)
+    t.add_argument("--warmup-steps", type=int, default=100)
+    t.add_argument("--max-steps", type=int, default=1700)
+    t.add_argument("--max-minutes", type=float, default=None)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    t.add_argument("--resume", action="store_true")
+    t.set_defaults(func=_train_target)
+
+    try:
+        from specserve.bench.cli import add_bench_parsers
+    except ImportError:
+        pass
+    else:
+        add_bench_parsers(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return int(a.func(a))
+    except (ValueError, OSError) as e:
+        print(f"specserve {a.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

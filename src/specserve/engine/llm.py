@@ -1,0 +1,75 @@
+"""The offline API: load a target (and a drafter), generate for a list of prompts.
+
+    llm = LLM("demo", speculative=SpeculativeConfig.resolve("NGRAM"))
+    [res] = llm.generate(["def fizzbuzz(n):"], SamplingParams(max_new_tokens=64))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specserve.config import ModelConfig, SpeculativeConfig, parse_dtype, pick_device
+from specserve.engine.plain import generate_plain
+from specserve.models.llama import CausalLM
+from specserve.models.loader import load_model, resolve_model_path
+from specserve.spec.decode import generate_speculative
+from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.tokenizer import Tokenizer
+from specserve.types import GenerationResult, SamplingParams
+
+
+def default_dtype(cfg_dtype: str | None, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on CUDA; on CPU bf16 when the checkpoint is bf16, else fp32."""
+    if device.type == "cuda":
+        return parse_dtype(cfg_dtype) if cfg_dtype else torch.bfloat16
+    return torch.bfloat16 if cfg_dtype in ("bfloat16", "bf16") else torch.float32
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = "demo",
+        device: str | None = None,
+        dtype: str | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
+        self.device = pick_device(device)
+        model_dir = resolve_model_path(model)
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+        self.dtype = default_dtype(cfg.torch_dtype, self.device) if dtype in (None, "auto") else parse_dtype(dtype)
+        self.spec = speculative or SpeculativeConfig()
+        # Check the drafter against the target's config before any weights are read.
+        plan = plan_drafter(self.spec, cfg) if self.spec.enabled else None
+        target, self.config, self.model_dir = load_model(model_dir, self.device, self.dtype)
+        assert isinstance(target, CausalLM)
+        self.model: CausalLM = target
+        self.tokenizer = Tokenizer(self.model_dir)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+        self.drafter_builder: DrafterBuilder | None = (
+            DrafterBuilder(plan, self.model, self.device, self.dtype) if plan is not None else None
+        )
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        ids = [self.encode(p) for p in prompts]
+        decode = self.tokenizer.decode
+        if self.drafter_builder is None:
+            return generate_plain(self.model, ids, params, self.eos_ids, decode)
+        builder = self.drafter_builder
+        return [
+            generate_speculative(self.model, builder.for_request, p, params, self.eos_ids,
+                                 builder.max_tree_nodes, decode)
+            for p in ids
+        ]
+
+    def generate_plain(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        """Plain decoding regardless of the speculative config (the reference in benchmarks)."""
+        return generate_plain(self.model, [self.encode(p) for p in prompts], params, self.eos_ids,
+                              self.tokenizer.decode)

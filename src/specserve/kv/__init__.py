@@ -1,0 +1,1 @@
+"""KV-cache storage and bookkeeping."""

@@ -1,0 +1,1 @@
+"""Model-agnostic building blocks: norms, rotary embeddings, attention, sampling."""

@@ -1,0 +1,1 @@
+"""Target model code (Llama family), the checkpoint loader and the architecture registry."""

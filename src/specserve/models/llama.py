@@ -1,0 +1,154 @@
+"""One decoder for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+
+The three differ only in config (q/k/v bias, Qwen3's per-head q/k norms, tied embeddings),
+so they share this file. q/k/v and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.kv.contiguous import KVView
+from specserve.layers.attention import attend
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rope import RotaryEmbedding, apply_rope
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, Q, V] (or [B, 1, V] with last_only)
+    hidden: torch.Tensor  # final normed hidden state [B, Q, H] (or last position only)
+    captured: list[torch.Tensor]  # pre-norm hidden states asked for, each [B, Q, H]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, Q, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        kv: KVView | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(b, q_len, self.n_heads, self.head_dim)
+        k = k.view(b, q_len, self.n_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, Q, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, Q, D]
+        v = v.view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        if kv is not None:
+            k, v = kv.update(layer, k, v)
+            mask = kv.mask
+            out = attend(q, k, v, mask, self.scale)
+        elif mask is None:
+            groups = self.n_heads // self.n_kv
+            k = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+            v = v.repeat_interleave(groups, dim=1) if groups > 1 else v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale)
+        else:
+            out = attend(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+        kv: KVView | None, mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids, positions, kv) with no global state; see `ForwardOutput`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normed hidden [..., H] -> logits [..., V]."""
+        return self.lm_head(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, Q]
+        positions: torch.Tensor,  # [B, Q] RoPE positions
+        kv: KVView | None = None,
+        mask: torch.Tensor | None = None,  # [B|1, 1, Q, K] bool, only used without kv
+        capture: tuple[int, ...] = (),  # indices into HF's hidden_states tuple (0 = embeddings)
+        last_only: bool = False,
+        compute_logits: bool = True,
+    ) -> ForwardOutput:
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        if 0 in capture:
+            captured[0] = x
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, kv, mask)
+            if i + 1 in capture:
+                captured[i + 1] = x
+        if last_only:
+            x = x[:, -1:]
+        h = self.model.norm(x)
+        logits = self.logits(h) if compute_logits else None
+        return ForwardOutput(logits, h, [captured[i] for i in capture])

@@ -1,0 +1,33 @@
+"""The one interface every drafter implements (n-gram, draft model, EAGLE-3, DFlash).
+
+The speculative loop drives a drafter through one request:
+  prefill(prompt_ids, hidden)          once, after the target's prefill
+  propose(root, budget)  -> DraftTree  each round
+  accept(tokens, hidden)               after verification, with the accepted path
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from specserve.spec.tree import DraftTree
+
+
+class Drafter(ABC):
+    #: HF hidden_states indices of the target this drafter needs (0 = embeddings, i = output of layer i-1).
+    capture: tuple[int, ...] = ()
+
+    @abstractmethod
+    def prefill(self, prompt_ids: list[int], hidden: torch.Tensor | None) -> None:
+        """Start a request. hidden: captured target states of the prompt [T, len(capture)*H] or None."""
+
+    @abstractmethod
+    def propose(self, root: int) -> DraftTree:
+        """Draft a tree rooted at `root`, the last emitted token (not yet in the target's KV)."""
+
+    @abstractmethod
+    def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
+        """After verification: `tokens` = [root, accepted drafts...] now in the target's KV;
+        hidden [len(tokens), len(capture)*H] their captured target states; `next_root` the bonus token."""

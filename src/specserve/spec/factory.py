@@ -1,0 +1,116 @@
+"""From a SpeculativeConfig to per-request drafters: check first (no weights), load once, build per request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.models.llama import CausalLM
+from specserve.models.loader import load_config, load_model, resolve_model_path
+from specserve.spec.drafter import Drafter
+from specserve.spec.draft_model import DraftModelDrafter, check_draft_model
+from specserve.spec.ngram import NgramDrafter
+from specserve.types import SamplingParams
+
+#: Bundled drafters used when the target is the bundled demo and no draft path is given.
+DEMO_DRAFTERS = {"EAGLE3": "demo-eagle3", "DFLASH": "demo-dflash"}
+
+
+def default_draft_path(algorithm: str | None, model: str) -> str | None:
+    if model == "demo" and algorithm:
+        return DEMO_DRAFTERS.get(algorithm.upper())
+    return None
+
+
+def drafter_block_size(draft_path: str) -> int | None:
+    """The `block_size` a DFlash drafter's config.json declares, if it can be read."""
+    try:
+        cfg = json.loads((resolve_model_path(draft_path) / "config.json").read_text())
+    except (ValueError, OSError):
+        return None  # the real error is raised, with its flag, when the drafter is planned
+    size = cfg.get("block_size")
+    return int(size) if isinstance(size, int) else None
+
+
+@dataclass(frozen=True)
+class DrafterPlan:
+    spec: SpeculativeConfig
+    draft_dir: Path | None
+
+
+def plan_drafter(spec: SpeculativeConfig, target_cfg: ModelConfig) -> DrafterPlan:
+    """Resolve and check the drafter against the target's config, before any weights are read."""
+    if spec.algorithm == "NGRAM":
+        return DrafterPlan(spec, None)
+    assert spec.draft_model_path is not None  # SpeculativeConfig guarantees it
+    draft_dir = resolve_model_path(spec.draft_model_path)
+    if spec.algorithm == "STANDALONE":
+        dcfg = load_config(draft_dir)
+        if dcfg.vocab_size != target_cfg.vocab_size:
+            raise ValueError(
+                f"--speculative-draft-model-path {draft_dir}: draft vocab_size {dcfg.vocab_size} differs from "
+                f"the target's {target_cfg.vocab_size}; STANDALONE needs the target's tokenizer"
+            )
+    elif spec.algorithm == "EAGLE3":
+        from specserve.spec.eagle3_model import check_eagle3
+
+        check_eagle3(draft_dir, target_cfg)
+    elif spec.algorithm == "DFLASH":
+        from specserve.spec.dflash_model import check_dflash
+
+        check_dflash(draft_dir, target_cfg, spec)
+    return DrafterPlan(spec, draft_dir)
+
+
+class DrafterBuilder:
+    """Holds the drafter's weights; `for_request` makes the per-request drafter state."""
+
+    def __init__(self, plan: DrafterPlan, target: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+        self.plan = plan
+        self.spec = plan.spec
+        self.target = target
+        self.device = device
+        self.weights: object | None = None
+        if plan.spec.algorithm == "STANDALONE":
+            assert plan.draft_dir is not None
+            draft, _, _ = load_model(plan.draft_dir, device, dtype)
+            assert isinstance(draft, CausalLM)
+            check_draft_model(draft, target)
+            self.weights = draft
+        elif plan.spec.algorithm == "EAGLE3":
+            from specserve.spec.eagle3_model import load_eagle3
+
+            assert plan.draft_dir is not None
+            self.weights = load_eagle3(plan.draft_dir, target.config, device, dtype)
+        elif plan.spec.algorithm == "DFLASH":
+            from specserve.spec.dflash_model import load_dflash
+
+            assert plan.draft_dir is not None
+            self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """Largest verify width (root included) a round can produce."""
+        s = self.spec
+        if s.algorithm == "DFLASH" and s.tree == "ddtree":
+            return s.num_draft_tokens + 1
+        return s.num_draft_tokens
+
+    def for_request(self, params: SamplingParams, generator: torch.Generator, max_len: int) -> Drafter:
+        s = self.spec
+        if s.algorithm == "NGRAM":
+            return NgramDrafter.from_config(s, self.device)
+        if s.algorithm == "STANDALONE":
+            assert isinstance(self.weights, CausalLM)
+            return DraftModelDrafter(self.weights, s, params, generator, max_len)
+        if s.algorithm == "EAGLE3":
+            from specserve.spec.eagle3 import Eagle3Drafter
+
+            return Eagle3Drafter(self.weights, self.target, s, params, generator, max_len)  # type: ignore[arg-type]
+        from specserve.spec.dflash import DFlashDrafter
+
+        return DFlashDrafter(self.weights, self.target, s, params, generator, max_len)  # type: ignore[arg-type]

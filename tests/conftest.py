@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random-weight checkpoints in the Hugging Face format."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_checkpoint  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 target with a byte-level BPE tokenizer."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "Qwen3ForCausalLM", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A smaller random Qwen3 with the same vocabulary, for STANDALONE drafting."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-draft"), "Qwen3ForCausalLM", seed=1,
+                           num_hidden_layers=1, hidden_size=32, intermediate_size=48, head_dim=8)
