@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import make_checkpoint  # noqa: E402
+from tiny import make_checkpoint
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

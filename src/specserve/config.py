@@ -158,7 +158,7 @@ class ModelConfig:
 def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
     orig = params.get("original_max_position_embeddings")
     if rope_type in ("llama3", "yarn") and orig is None:
         orig = raw.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
@@ -298,7 +298,9 @@ class SpeculativeConfig:
             nd = num_draft_tokens or 12  # SGLang's default
             # NGRAM's "eagle" tree is a trie of up to ngram_max_breadth lookup matches; a depth
             # of half the budget leaves room for the other matches' branches.
-            return cls(a, draft_model_path, num_steps or max(1, nd // 2), eagle_topk or 1, nd, None, tree or "eagle",
+            t = tree or "eagle"
+            depth = num_steps or (nd - 1 if t == "chain" else max(1, nd // 2))
+            return cls(a, draft_model_path, depth, eagle_topk or 1, nd, None, t,
                        **ngram)
         topk = eagle_topk or 1
         if topk == 1:

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import make_checkpoint
 
 from specserve.kv.contiguous import KVCache
 from specserve.models.loader import load_model
+
+from tiny import make_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -46,9 +46,7 @@ class StopChecker:
                 break
             self.tokens.append(int(t))
             taken += 1
-            if int(t) in self.stop_ids:
-                self.finish_reason = "stop"
-            elif self.params.stop and self._stop_string_hit():
+            if int(t) in self.stop_ids or (self.params.stop and self._stop_string_hit()):
                 self.finish_reason = "stop"
             elif len(self.tokens) >= self.limit:
                 self.finish_reason = "length"

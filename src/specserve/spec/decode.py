@@ -75,10 +75,7 @@ def generate_speculative(
         mask = None if tree.is_chain else tree_mask(tree, committed)
         out = model(tree.tokens[None], positions, cache.view(committed, n, mask), capture=capture)
         logits = out.logits[0]  # [N+1, V]
-        if params.greedy:
-            res = verify_greedy(tree, logits)
-        else:
-            res = verify_sampled(tree, target_probs(logits, params), gen)
+        res = verify_greedy(tree, logits) if params.greedy else verify_sampled(tree, target_probs(logits, params), gen)
         path = [0, *res.accepted]
         if res.accepted and res.accepted[-1] != len(res.accepted):  # not a chain prefix: compact
             cache.move(torch.tensor(path, device=device) + committed, committed)

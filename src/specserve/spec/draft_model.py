@@ -60,10 +60,7 @@ class DraftModelDrafter(Drafter):
         logits = self._feed([*self.pending, root])[-1]  # [V]
         self.length += len(self.pending) + 1  # temporarily includes the root
         self.pending = []
-        if self.spec.eagle_topk > 1:
-            tree = self._tree(root, logits)
-        else:
-            tree = self._chain(root, logits)
+        tree = self._tree(root, logits) if self.spec.eagle_topk > 1 else self._chain(root, logits)
         self._round = (start, tree.tokens.tolist() if self.spec.eagle_topk == 1 else None)
         self.length = start  # crop: accept() recommits what the target accepted
         return tree

@@ -11,8 +11,8 @@ import torch
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model, resolve_model_path
-from specserve.spec.drafter import Drafter
 from specserve.spec.draft_model import DraftModelDrafter, check_draft_model
+from specserve.spec.drafter import Drafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.types import SamplingParams
 

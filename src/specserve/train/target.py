@@ -88,14 +88,15 @@ def prepare_data(cfg: TargetTrainConfig) -> tuple[np.ndarray, np.ndarray, Path]:
     tok_path, train_path, val_path = cfg.work / "tokenizer.json", cfg.work / "train.npy", cfg.work / "val.npy"
     if not (tok_path.exists() and train_path.exists() and val_path.exists()):
         files = corpus.stdlib_files()
-        train_texts, val_texts = [], []
+        train_texts: list[str] = []
+        val_texts: list[str] = []
         for f in tqdm(files, desc="reading stdlib", unit="file"):
             text = corpus.read_text(f)
             if text:
                 (val_texts if corpus.is_validation(f) else train_texts).append(text)
         tok = corpus.train_tokenizer(train_texts, cfg.vocab_size - len(corpus.ADDED_TOKENS))
         tok.save(str(tok_path))
-        eos = tok.token_to_id(corpus.EOS)
+        eos = eos_id_of(tok)
         for texts, path in ((train_texts, train_path), (val_texts, val_path)):
             ids: list[int] = []
             for enc in tqdm(tok.encode_batch(texts), desc=f"tokenizing {path.stem}", unit="file"):
@@ -103,6 +104,13 @@ def prepare_data(cfg: TargetTrainConfig) -> tuple[np.ndarray, np.ndarray, Path]:
                 ids.append(eos)
             np.save(path, np.asarray(ids, dtype=np.int32))
     return np.load(train_path), np.load(val_path), tok_path
+
+
+def eos_id_of(tok: Any) -> int:
+    eos = tok.token_to_id(corpus.EOS)
+    if eos is None:
+        raise ValueError(f"tokenizer has no {corpus.EOS} token")
+    return int(eos)
 
 
 def lr_at(step: int, cfg: TargetTrainConfig) -> float:
@@ -165,7 +173,7 @@ def train(cfg: TargetTrainConfig, resume: bool = False) -> dict[str, Any]:
     train_ids, val_ids, tok_path = prepare_data(cfg)
     from tokenizers import Tokenizer as HFTok
 
-    eos_id = HFTok.from_file(str(tok_path)).token_to_id(corpus.EOS)
+    eos_id = eos_id_of(HFTok.from_file(str(tok_path)))
     raw = hf_config(cfg, eos_id)
     mcfg = ModelConfig.from_hf(raw)
     torch.manual_seed(cfg.seed)
@@ -222,7 +230,7 @@ def train(cfg: TargetTrainConfig, resume: bool = False) -> dict[str, Any]:
         "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
         "step": step, "tokens_seen": tokens_seen, "config": {k: str(v) for k, v in asdict(cfg).items()},
     })
-    return {**last, "params": n_params, "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids))}
+    return {**last, "params": n_params, "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
 
 
 def _init_weights(model: CausalLM, num_layers: int) -> None:

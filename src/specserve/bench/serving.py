@@ -1,0 +1,264 @@
+"""The serving sweep client: streamed OpenAI-compatible requests, exactly C in flight per level.
+
+Tokens per streamed chunk (what ITL divides by, see metrics.py), first rule that applies:
+  1. the chunk carries cumulative `usage.completion_tokens` (vLLM's `continuous_usage_stats`,
+     asked for with `continuous_usage=True`): the increase since the previous content chunk;
+  2. the chunk carries logprobs (`logprobs.tokens` for completions, `logprobs.content` for chat):
+     their number;
+  3. otherwise 1. A speculative server that packs several tokens into one chunk without telling
+     then shows ITL per chunk and a streamed count below its usage count; the run JSON keeps both
+     counts (`token_counts`) so the gap is visible.
+A request's output token count is the final chunk's `usage.completion_tokens` when the server
+sends it (`stream_options.include_usage` is always asked for), else the streamed count.
+A content chunk is one with non-empty `text` (completions) or `delta.content` /
+`delta.reasoning_content` / `delta.reasoning` (chat), or with logprob entries; role-only and
+usage-only chunks are not.
+A failed request (transport error, non-200 answer, an error event or undecodable data in the
+stream, a stream without content) is recorded with its message; it never stops the sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from specserve.bench.datasets import Prompt
+from specserve.bench.metrics import Chunk, RequestResult, aggregate_level, request_timing
+from specserve.bench.server_probe import accept_length, server_config, take_snapshot
+
+ENDPOINTS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+WARMUP_TOKENS = 4
+
+
+def normalize_base_url(url: str) -> str:
+    """`http://host:port`, given with or without a trailing `/` or `/v1`."""
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    base_url: str
+    model: str
+    endpoint: str = "completions"
+    output_len: int = 128
+    temperature: float = 0.0
+    seed: int | None = None  # sent as the request's sampling seed when given
+    api_key: str | None = None
+    ignore_eos: bool = False  # sent only if the server accepts it (checked by the warm-up request)
+    continuous_usage: bool = False  # ask for usage in every chunk (vLLM's stream_options.continuous_usage_stats)
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
+        if not self.model:
+            raise ValueError("--model must name the served model (see GET /v1/models)")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.output_len < 1:
+            raise ValueError(f"--output-len must be >= 1, got {self.output_len}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout_s}")
+
+    @property
+    def url(self) -> str:
+        return normalize_base_url(self.base_url) + ENDPOINTS[self.endpoint]
+
+
+def build_body(cfg: ServingConfig, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "temperature": cfg.temperature,
+                            "stream": True}
+    if cfg.endpoint == "chat":
+        body["messages"] = prompt.as_messages()
+    else:
+        body["prompt"] = prompt.as_text()
+    stream_options: dict[str, bool] = {"include_usage": True}
+    if cfg.continuous_usage:
+        stream_options["continuous_usage_stats"] = True
+    body["stream_options"] = stream_options
+    if cfg.seed is not None:
+        body["seed"] = cfg.seed
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _choice_content(choice: dict[str, Any]) -> tuple[bool, int]:
+    """(does the choice carry text, how many logprob entries it carries)."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        parts = [delta.get("content"), delta.get("reasoning_content"), delta.get("reasoning")]
+    else:
+        parts = [choice.get("text")]
+    text = "".join(p for p in parts if isinstance(p, str))
+    logprobs = choice.get("logprobs")
+    n = 0
+    if isinstance(logprobs, dict):
+        entries = logprobs.get("tokens") if "tokens" in logprobs else logprobs.get("content")
+        n = len(entries) if isinstance(entries, list) else 0
+    return bool(text) or n > 0, n
+
+
+@dataclass
+class StreamReader:
+    """Accumulates one request's stream; `feed` takes each decoded `data:` event with its arrival time."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    streamed_tokens: int = 0
+    _last_cumulative: int = 0
+    # Usage in every content chunk (rule 1) only when the first content chunk had it: a server that
+    # puts the final usage into the last content chunk must not have all tokens counted there.
+    _cumulative: bool | None = None
+
+    def feed(self, event: Any, t_s: float) -> None:
+        if not isinstance(event, dict):
+            raise ValueError(f"stream event is not a JSON object: {str(event)[:100]}")
+        if "error" in event and not event.get("choices"):
+            raise ValueError(f"server error in stream: {str(event['error'])[:200]}")
+        usage = event.get("usage")
+        cumulative = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if not isinstance(cumulative, int):
+            cumulative = None
+        choices = event.get("choices") or []
+        has_text, n_logprobs = False, 0
+        for choice in choices if isinstance(choices, list) else []:
+            if isinstance(choice, dict):
+                text, n = _choice_content(choice)
+                has_text, n_logprobs = has_text or text, n_logprobs + n
+        if has_text:
+            if self._cumulative is None:  # decided by the first content chunk
+                self._cumulative = cumulative is not None
+            if self._cumulative and cumulative is not None:
+                n_tokens = cumulative - self._last_cumulative
+                self._last_cumulative = cumulative
+            else:
+                n_tokens = n_logprobs or 1
+                self._last_cumulative += n_tokens
+            if n_tokens > 0:  # else the gap rolls into the next chunk, as SGLang does
+                self.chunks.append(Chunk(t_s=t_s, tokens=n_tokens))
+                self.streamed_tokens += n_tokens
+        if cumulative is not None:
+            self.usage_tokens = cumulative
+            prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            self.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else self.prompt_tokens
+
+
+def _failed(error: str, reader: StreamReader) -> RequestResult:
+    return RequestResult(error=error, prompt_tokens=reader.prompt_tokens, usage_tokens=reader.usage_tokens,
+                         streamed_tokens=reader.streamed_tokens, timing=None)
+
+
+async def send_request(client: httpx.AsyncClient, cfg: ServingConfig, prompt: Prompt, max_tokens: int,
+                       ignore_eos: bool) -> RequestResult:
+    reader = StreamReader()
+    body = build_body(cfg, prompt, max_tokens, ignore_eos)
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", cfg.url, json=body) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode("utf-8", errors="replace").strip()
+                return _failed(f"HTTP {resp.status_code}: {detail[:200]}", reader)
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, `event:` lines
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                reader.feed(json.loads(data), time.perf_counter() - start)
+            end = time.perf_counter() - start
+    except httpx.HTTPError as e:
+        return _failed(f"{type(e).__name__}: {e or 'no detail'} ({cfg.url})", reader)
+    except ValueError as e:  # json.JSONDecodeError included
+        return _failed(f"bad stream: {e}", reader)
+    if not reader.chunks:
+        return _failed("stream ended without any content token", reader)
+    output_tokens = reader.usage_tokens if reader.usage_tokens is not None else reader.streamed_tokens
+    timing = request_timing(reader.chunks, end, output_tokens)
+    return RequestResult(error=None, prompt_tokens=reader.prompt_tokens, usage_tokens=reader.usage_tokens,
+                         streamed_tokens=reader.streamed_tokens, timing=timing)
+
+
+@dataclass
+class InFlight:
+    """Requests currently sent and not finished, and the most seen at once (one level's counter)."""
+
+    now: int = 0
+    peak: int = 0
+
+    def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+
+async def run_level(client: httpx.AsyncClient, cfg: ServingConfig, prompts: Sequence[Prompt], concurrency: int,
+                    ignore_eos: bool = False, progress: bool = True) -> dict[str, Any]:
+    """All `prompts` with exactly `concurrency` requests in flight (fewer only at the tail)."""
+    if concurrency < 1:
+        raise ValueError(f"--concurrency values must be >= 1, got {concurrency}")
+    base = normalize_base_url(cfg.base_url)
+    before = await take_snapshot(client, base)
+    gate = asyncio.Semaphore(concurrency)
+    in_flight = InFlight()
+    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req", disable=not progress, leave=True)
+
+    async def one(prompt: Prompt) -> RequestResult:
+        async with gate:
+            in_flight.enter()
+            try:
+                return await send_request(client, cfg, prompt, prompt.max_tokens or cfg.output_len, ignore_eos)
+            finally:
+                in_flight.leave()
+                bar.update(1)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    duration = time.perf_counter() - t0
+    bar.close()
+    level = aggregate_level(results, concurrency, duration, in_flight.peak)
+    level["accept_length"], level["accept_length_source"] = accept_length(before, await take_snapshot(client, base))
+    return level
+
+
+async def warm_up(client: httpx.AsyncClient, cfg: ServingConfig, prompt: Prompt) -> dict[str, Any]:
+    """One short request; with --ignore-eos it also finds out whether the server accepts the field."""
+    max_tokens = min(WARMUP_TOKENS, cfg.output_len)
+    result = await send_request(client, cfg, prompt, max_tokens, cfg.ignore_eos)
+    applied = cfg.ignore_eos
+    note = None
+    if cfg.ignore_eos and result.error is not None and result.error.startswith("HTTP 4"):
+        note = f"server rejected ignore_eos ({result.error[:120]}); sweeping without it"
+        applied = False
+        result = await send_request(client, cfg, prompt, max_tokens, False)
+    return {"ok": result.ok, "error": result.error, "ignore_eos_applied": applied, "note": note}
+
+
+async def run_sweep(cfg: ServingConfig, prompts: Sequence[Prompt], concurrencies: Sequence[int], warmup: bool = True,
+                    progress: bool = True) -> dict[str, Any]:
+    """Server configuration, warm-up outcome and one entry per concurrency level (each sends all `prompts`)."""
+    if not concurrencies:
+        raise ValueError("--concurrency needs at least one level, e.g. 1,4,16")
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    widest = max(concurrencies)
+    limits = httpx.Limits(max_connections=widest + 4, max_keepalive_connections=widest + 4)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=min(30.0, cfg.request_timeout_s))
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+        server = await server_config(client, normalize_base_url(cfg.base_url))
+        warm = await warm_up(client, cfg, prompts[0]) if warmup else None
+        ignore_eos = warm["ignore_eos_applied"] if warm is not None else cfg.ignore_eos
+        levels = [await run_level(client, cfg, prompts, c, ignore_eos, progress) for c in concurrencies]
+    return {"server": server, "warmup": warm, "levels": levels}

@@ -1,0 +1,80 @@
+"""Prompt suites for acceptance benchmarks.
+
+- `coding10`: ten coding prompts (code openings, since the demo target is a code model).
+- `heldout-code`: contexts cut from real Python code the demo model never trained on (a
+  third-party package, not the standard library), continued for a short horizon. Small targets
+  loop under greedy decoding and loops flatter every drafter; short held-out continuations don't.
+- a JSONL file: one task a line with `name` and `prompt` (or chat `messages`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUITES_DIR = Path(__file__).resolve().parent.parent / "assets" / "suites"
+
+CODING10: list[tuple[str, str]] = [
+    ("fizzbuzz", 'def fizzbuzz(n):\n    """Return the FizzBuzz strings for 1..n."""\n'),
+    ("binary_search",
+     'def binary_search(items, target):\n    """Return the index of target in sorted items, or -1."""\n'),
+    ("linked_list_reverse", "class Node:\n    def __init__(self, value, next=None):\n        self.value = value\n"
+                            "        self.next = next\n\n\ndef reverse(head):\n"),
+    ("json_parser", 'class JSONParser:\n    """A small recursive-descent JSON parser."""\n\n'
+                    "    def __init__(self, text):\n        self.text = text\n        self.pos = 0\n\n"
+                    "    def parse_value(self):\n"),
+    ("async_rate_limiter", "import asyncio\nimport time\n\n\nclass RateLimiter:\n"
+                           '    """Allow at most `rate` calls per `period` seconds."""\n\n'
+                           "    def __init__(self, rate, period):\n"),
+    ("trie_autocomplete", "class TrieNode:\n    def __init__(self):\n        self.children = {}\n"
+                          "        self.is_word = False\n\n\nclass Trie:\n    def __init__(self):\n"
+                          "        self.root = TrieNode()\n\n    def insert(self, word):\n"),
+    ("merge_sort", 'def merge_sort(items):\n    """Sort a list with merge sort and return a new list."""\n'),
+    ("lru_cache", "from collections import OrderedDict\n\n\nclass LRUCache:\n"
+                  "    def __init__(self, capacity):\n        self.capacity = capacity\n"
+                  "        self.data = OrderedDict()\n\n    def get(self, key):\n"),
+    ("graph_bfs", "from collections import deque\n\n\ndef bfs(graph, start):\n"
+                  '    """Return the nodes of graph reachable from start in breadth-first order."""\n'),
+    ("matrix_multiply", 'def matrix_multiply(a, b):\n    """Multiply two matrices given as lists of rows."""\n'),
+]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def coding_prompts() -> list[tuple[str, str]]:
+    return list(CODING10)
+
+
+def load_jsonl_tasks(path: Path) -> list[Task]:
+    tasks = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or "name" not in obj or not ("prompt" in obj or "messages" in obj):
+            raise ValueError(f"{path}:{lineno}: a task needs `name` and `prompt` (or chat `messages`)")
+        tasks.append(Task(str(obj["name"]), obj.get("prompt"), obj.get("messages")))
+    if not tasks:
+        raise ValueError(f"{path}: no tasks")
+    return tasks
+
+
+def load_suite(name_or_path: str) -> list[Task]:
+    if name_or_path == "coding10":
+        return [Task(n, p) for n, p in CODING10]
+    if name_or_path == "heldout-code":
+        return load_jsonl_tasks(SUITES_DIR / "heldout_code.jsonl")
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ValueError(f"--suite {name_or_path!r}: not coding10, heldout-code, or an existing JSONL file")
+    return load_jsonl_tasks(path)

@@ -1,0 +1,87 @@
+"""DFLASH drafting: one non-causal forward over [root, MASK x (bs-1)] drafts a whole block.
+
+Per request the drafter keeps, for every draft layer, the K/V of the projected target context (one slot per
+token in the target's KV, at that token's position). A round:
+  propose(root): block = embed([root, MASK, ..., MASK]) at positions P..P+bs-1 (P = tokens in the target KV,
+      i.e. the root's position); queries from the block, keys/values = cached context + the block itself.
+      Output position i (1 <= i < bs) is the drafter's distribution of the token at position P+i, the one
+      its mask stands for (no shift: row i fills mask i). The block's own K/V are never cached.
+      chain  -> the first num_draft_tokens-1 argmaxes as a chain;
+      ddtree -> build_ddtree over the bs-1 per-position log-distributions, budget num_draft_tokens.
+  accept(tokens, hidden, next_root): project and cache the context K/V of the accepted tokens only.
+Drafts are deterministic (argmax / best prefixes) even when the request samples, as in the reference, so
+trees carry draft_probs None and verify by sample-and-descend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.kv.contiguous import KVCache
+from specserve.models.llama import CausalLM
+from specserve.spec.ddtree import build_ddtree
+from specserve.spec.dflash_model import FLAG, DFlashDraftModel, check_against_target, dflash_block_size
+from specserve.spec.drafter import Drafter
+from specserve.spec.tree import DraftTree
+from specserve.types import SamplingParams
+
+
+class DFlashDrafter(Drafter):
+    def __init__(self, draft: DFlashDraftModel, target: CausalLM, spec: SpeculativeConfig,
+                 params: SamplingParams, generator: torch.Generator | None, max_len: int) -> None:
+        """`params` and `generator` complete the uniform drafter constructor; DFlash drafts greedily regardless.
+        max_len: the most tokens the target's KV will hold for this request (sizes the context cache)."""
+        cfg = draft.config
+        check_against_target(cfg, target.config, f"{FLAG} {spec.draft_model_path}")
+        if spec.tree not in ("chain", "ddtree"):
+            raise ValueError(f"--speculative-tree {spec.tree} is not available for DFLASH; use chain or ddtree")
+        self.block_size = dflash_block_size(spec, cfg)
+        self.capture = cfg.capture
+        self.draft, self.target, self.spec = draft, target, spec
+        weight = draft.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cache = KVCache.allocate(cfg.body, 1, max_len, self.device, self.dtype,
+                                      num_layers=cfg.body.num_hidden_layers)
+        self.length = 0  # context slots filled = tokens in the target's KV
+        self._block_ids = torch.full((1, self.block_size), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        self._offsets = torch.arange(self.block_size, device=self.device)
+
+    def prefill(self, prompt_ids: list[int], hidden: torch.Tensor | None) -> None:
+        if hidden is None:
+            raise ValueError("DFLASH needs the target's hidden states: run the prefill with capture=drafter.capture")
+        self.length = 0
+        self._append(hidden)
+
+    def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
+        assert hidden is not None and hidden.shape[0] == len(tokens), "accept needs one hidden row per token"
+        self._append(hidden)
+
+    def _append(self, hidden: torch.Tensor) -> None:
+        """hidden [T, n*H] captured target states of the next T committed tokens."""
+        t = hidden.shape[0]
+        positions = torch.arange(self.length, self.length + t, device=self.device)[None]  # [1, T]
+        self.draft.append_context(self.cache, self.length, hidden[None].to(self.dtype), positions)
+        self.length += t
+
+    def block_log_probs(self, root: int) -> torch.Tensor:
+        """[bs-1, V] float32: row i-1 = log-distribution of the token at position P+i (mask i of the block)."""
+        ids = self._block_ids.clone()
+        ids[0, 0] = root
+        noise = self.target.embed(ids).to(self.dtype)  # [1, bs, H]
+        positions = (self._offsets + self.length)[None]  # [1, bs]
+        hidden = self.draft(noise, positions, self.draft.cached_context(self.cache, self.length))  # [1, bs, H]
+        logits = self.target.logits(hidden[0, 1:])  # [bs-1, V]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def propose(self, root: int) -> DraftTree:
+        log_probs = self.block_log_probs(root)
+        if self.spec.tree == "ddtree":
+            return build_ddtree(root, log_probs, self.spec.num_draft_tokens)
+        n = self.spec.num_draft_tokens  # root included
+        drafts = log_probs[: n - 1].argmax(dim=-1)  # [n-1]
+        return DraftTree(
+            tokens=torch.cat((torch.tensor([root], device=self.device), drafts)),
+            parents=torch.arange(-1, n - 1, device=self.device),
+            depths=torch.arange(n, device=self.device),
+        )

@@ -1,0 +1,161 @@
+"""EAGLE-3 drafting for one request: a chain (topk 1) or an EAGLE dynamic tree (topk > 1).
+
+Drafter KV slot j holds the pair (target feature of token j, embedding of token j+1) at position j;
+its output predicts token j+2. The last pair of a committed stretch waits for its next token:
+  prefill(prompt, hidden)          pending = features of the T prompt tokens, tokens prompt[1:]
+  propose(root)                    the pending pairs complete with `root` and are committed (slots
+                                   [P-n, P), P = tokens in the target KV); then drafting
+  accept([root, a1..ak], hidden)   pending = the k+1 accepted features, tokens a1..ak; the pair
+                                   (feature of ak, next_root) completes at the next propose
+Draft entries (fed with the drafter's own output features, no fc) sit in slots P, P+1, ... and are
+dropped by not counting them: the next commit overwrites them. Tree nodes sit there too, each attending
+to the committed prefix, its ancestors and itself; a node of depth d has position P + d - 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.kv.contiguous import KVCache
+from specserve.layers.sampling import sample, target_probs
+from specserve.models.llama import CausalLM
+from specserve.spec.drafter import Drafter
+from specserve.spec.eagle3_model import Eagle3Model, check_target
+from specserve.spec.eagle_tree import expand_eagle_tree
+from specserve.spec.tree import DraftTree
+from specserve.types import SamplingParams
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(self, model: Eagle3Model, target: CausalLM, spec: SpeculativeConfig, params: SamplingParams,
+                 generator: torch.Generator | None, max_len: int) -> None:
+        cfg = model.config
+        check_target(cfg, target.config, model.embed_tokens is not None, "(loaded drafter)")
+        if spec.num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1 for EAGLE3, got {spec.num_steps}")
+        if not 1 <= spec.eagle_topk <= cfg.draft_vocab_size:
+            raise ValueError(f"--speculative-eagle-topk must be in [1, draft_vocab_size={cfg.draft_vocab_size}], "
+                             f"got {spec.eagle_topk}")
+        self.model = model
+        self.target = target
+        self.spec = spec
+        self.params = params
+        self.gen = generator
+        self.capture = cfg.aux_layer_ids
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        # Fed draft nodes per round: the root plus topk per step but the last (one per step for a chain).
+        self.max_fed = 1 + (spec.num_steps - 1) * spec.eagle_topk
+        self.kv = KVCache.allocate(cfg.layer, 1, max_len + self.max_fed, self.device, self.dtype, num_layers=1)
+        self.committed = 0  # drafter KV slots holding complete pairs (= target positions before the root)
+        self._pending_hidden: torch.Tensor | None = None  # [n, 3·Ht] features awaiting their next token
+        self._pending_tokens: list[int] = []  # the n-1 next tokens already known
+        self._root: int | None = None  # the root this round's pending pair completed with / must complete with
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], hidden: torch.Tensor | None) -> None:
+        if hidden is None or hidden.shape[0] != len(prompt_ids):
+            raise ValueError("EAGLE3 needs the target's captured states of every prompt token "
+                             "(run the target prefill with capture=drafter.capture)")
+        self.committed = 0
+        self._pending_hidden, self._pending_tokens, self._root = hidden, list(prompt_ids[1:]), None
+
+    @torch.inference_mode()
+    def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
+        if hidden is None or hidden.shape[0] != len(tokens):
+            raise ValueError("EAGLE3 needs the target's captured states of every accepted token")
+        assert self._pending_hidden is None and tokens[0] == self._root, "accept() must follow propose(root)"
+        self._pending_hidden, self._pending_tokens, self._root = hidden, list(tokens[1:]), next_root
+
+    @torch.inference_mode()
+    def propose(self, root: int) -> DraftTree:
+        assert self._pending_hidden is not None, "propose() must follow prefill() or accept()"
+        assert self._root is None or self._root == root, "propose(root) must get accept()'s next_root"
+        feat = self._commit(root)  # [1, H]
+        self._root = root
+        if self.spec.eagle_topk == 1:
+            return self._chain(root, feat)
+        return self._tree(root, feat)
+
+    def _run(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, start: int,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [Q], feats [Q, H], positions [Q] written at slots start.. -> layer outputs [Q, H]."""
+        ids = tokens[None]
+        emb = self.model.embed_tokens(ids) if self.model.embed_tokens is not None else self.target.embed(ids)
+        view = self.kv.view(start, int(tokens.shape[0]), mask)
+        return self.model(emb.to(self.dtype), feats[None], positions[None], view)[0]
+
+    def _commit(self, root: int) -> torch.Tensor:
+        hidden = self._pending_hidden
+        assert hidden is not None
+        n = int(hidden.shape[0])
+        tokens = torch.tensor([*self._pending_tokens, root], device=self.device)
+        start = self.committed
+        positions = torch.arange(start, start + n, device=self.device)
+        out = self._run(tokens, self.model.project(hidden.to(self.device, self.dtype)), positions, start)
+        self.committed += n
+        self._pending_hidden, self._pending_tokens = None, []
+        return out[-1:]
+
+    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Outputs [F, H] -> log-probs over the TARGET vocabulary [F, V] (-inf outside the draft vocab)."""
+        lp = torch.log_softmax(self.model.draft_logits(out).float(), dim=-1)
+        return self.model.to_target_vocab(lp, float("-inf"))
+
+    def _chain(self, root: int, feat: torch.Tensor) -> DraftTree:
+        base = self.committed  # slot and position of the depth-1 draft's entry
+        drafts: list[torch.Tensor] = []  # [1] each, kept on the device
+        rows: list[torch.Tensor] = []
+        logits = self.model.draft_logits(feat)  # [1, Vd]
+        for depth in range(1, self.spec.num_steps + 1):
+            if self.params.greedy:
+                tok = self.model.target_ids(logits.argmax(dim=-1))  # [1]
+            else:
+                q = target_probs(self.model.to_target_vocab(logits, float("-inf")), self.params)  # [1, V]
+                tok = sample(q, self.gen)
+                rows.append(q[0])
+            drafts.append(tok)
+            if depth == self.spec.num_steps:
+                break
+            slot = base + depth - 1
+            feat = self._run(tok, feat, torch.tensor([slot], device=self.device), slot)
+            logits = self.model.draft_logits(feat)
+        n = len(drafts) + 1
+        probs = torch.stack([torch.zeros_like(rows[0]), *rows]) if rows else None  # [N+1, V]
+        return DraftTree(
+            tokens=torch.cat([torch.tensor([root], device=self.device), *drafts]),
+            parents=torch.arange(-1, n - 1, device=self.device),
+            depths=torch.arange(n, device=self.device),
+            draft_probs=probs,
+        )
+
+    def _tree(self, root: int, feat: torch.Tensor) -> DraftTree:
+        base = self.committed  # fed node i >= 1 sits at slot base + i - 1; fed node 0 is the root
+        cap, dev = self.max_fed, self.device
+        feats = torch.zeros(cap, feat.shape[-1], device=dev, dtype=self.dtype)  # [cap, H] outputs per fed node
+        feats[0] = feat[0]
+        anc = torch.zeros(cap, cap, dtype=torch.bool, device=dev)  # anc[i, j]: fed j is i or an ancestor (j >= 1)
+        depth = torch.zeros(cap, dtype=torch.long, device=dev)
+        prefix = torch.ones(cap, base, dtype=torch.bool, device=dev)
+        fed = 1
+
+        def step_fn(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            nonlocal fed
+            f = int(tokens.shape[0])
+            if fed + f > cap:
+                raise RuntimeError(f"EAGLE tree fed {fed + f} nodes; the drafter sized its KV for {cap}")
+            idx = torch.arange(fed, fed + f, device=dev)
+            par = parents.to(dev)
+            anc[idx] = anc[par]
+            anc[idx, idx] = True
+            depth[idx] = depth[par] + 1
+            mask = torch.cat((prefix[:f], anc[idx, 1:fed + f]), dim=1)[None, None]  # [1, 1, F, base+fed+F-1]
+            out = self._run(tokens.to(dev), feats[par], base + depth[idx] - 1, base + fed - 1, mask)
+            feats[idx] = out
+            fed += f
+            return self._log_probs(out)
+
+        return expand_eagle_tree(root, self._log_probs(feat)[0], step_fn, self.spec.num_steps,
+                                 self.spec.eagle_topk, self.spec.num_draft_tokens - 1)
+

@@ -1,0 +1,179 @@
+"""Greedy speculative decoding equals plain greedy decoding, token for token, for every drafter
+and tree mode, with untrained (random-weight) drafters; and sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.llm import LLM
+from specserve.engine.plain import generate_plain
+from specserve.spec.decode import generate_speculative
+from specserve.spec.dflash_model import init_random_dflash
+from specserve.spec.eagle3_model import init_random_eagle3
+from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.types import GenerationResult, SamplingParams
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef", "import os\nimport sys\n", "class Foo:\n    def __init__(self",
+    "x = [1, 2, 3]\nfor i in x:\n", "    return self._", "if __name__ == '__main__':\n", "# comment\n",
+    "try:\n    pass\nexcept", "with open(path) as f:\n", "def f(*args, **kwargs):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir: Path) -> LLM:
+    return LLM(tiny_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    rand = [torch.randint(3, llm.config.vocab_size, (int(n),), generator=gen).tolist() for n in (3, 9, 17, 30)]
+    # repeated text makes the lookup drafter accept long runs
+    loops = [llm.encode("a = 1\nb = 2\n" * 4), llm.encode("for i in range(10):\n    print(i)\n" * 3)]
+    ids = [llm.encode(t) for t in TEXTS] + rand + loops
+    ids += [p[: max(1, len(p) // 2)] for p in ids[:4]]
+    assert len(ids) >= 20
+    return ids
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
+    path = tmp_path_factory.mktemp("dflash")
+    init_random_dflash(llm.config, path, seed=3, block_size=8)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
+    path = tmp_path_factory.mktemp("eagle3")
+    init_random_eagle3(llm.config, path, seed=4)
+    return path
+
+
+def spec_configs(draft_dir: Path, dflash_dir: Path, eagle_dir: Path) -> list[SpeculativeConfig]:
+    d, f, e = str(draft_dir), str(dflash_dir), str(eagle_dir)
+    r = SpeculativeConfig.resolve
+    return [
+        r("NGRAM", num_draft_tokens=5, tree="chain"),
+        r("NGRAM"),
+        r("NGRAM", num_draft_tokens=16, num_steps=4, ngram_max_breadth=6),
+        r("STANDALONE", d, num_steps=3),
+        r("STANDALONE", d, num_steps=1),
+        r("STANDALONE", d, num_steps=3, eagle_topk=2, num_draft_tokens=7),
+        r("EAGLE3", e, num_steps=3),
+        r("EAGLE3", e, num_steps=3, eagle_topk=2, num_draft_tokens=6),
+        r("EAGLE3", e, num_steps=2, eagle_topk=3, num_draft_tokens=10),
+        r("DFLASH", f, dflash_block_size=8, tree="chain", num_draft_tokens=8),
+        r("DFLASH", f, dflash_block_size=8, tree="ddtree", num_draft_tokens=4),
+        r("DFLASH", f, dflash_block_size=8, tree="ddtree", num_draft_tokens=24),
+        r("DFLASH", f, dflash_block_size=4, tree="ddtree", num_draft_tokens=10),
+    ]
+
+
+def spec_runner(llm: LLM, spec: SpeculativeConfig) -> Callable[[list[int], SamplingParams], GenerationResult]:
+    """Load the drafter once; the returned function decodes one prompt speculatively."""
+    builder = DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
+
+    def run(ids: list[int], params: SamplingParams) -> GenerationResult:
+        return generate_speculative(llm.model, builder.for_request, ids, params, llm.eos_ids,
+                                    builder.max_tree_nodes, llm.tokenizer.decode)
+
+    return run
+
+
+def run_spec(llm: LLM, spec: SpeculativeConfig, ids: list[int], params: SamplingParams) -> GenerationResult:
+    return spec_runner(llm, spec)(ids, params)
+
+
+def plain(llm: LLM, ids: list[int], params: SamplingParams) -> GenerationResult:
+    return generate_plain(llm.model, [ids], params, llm.eos_ids, llm.tokenizer.decode)[0]
+
+
+def test_greedy_exact_over_grid(llm: LLM, prompts: list[list[int]], tiny_draft_dir: Path, dflash_dir: Path,
+                                eagle_dir: Path) -> None:
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    expected = [plain(llm, p, params).token_ids for p in prompts]
+    for spec in spec_configs(tiny_draft_dir, dflash_dir, eagle_dir):
+        run = spec_runner(llm, spec)
+        steps = 0
+        for ids, want in zip(prompts, expected, strict=True):
+            res = run(ids, params)
+            assert res.token_ids == want, (spec, ids)
+            steps += res.num_verify_steps
+        assert steps <= len(prompts) * 23  # at most one verify round per token after the first
+
+
+def test_stops_inside_an_accepted_run(llm: LLM, prompts: list[list[int]], tiny_draft_dir: Path,
+                                      dflash_dir: Path, eagle_dir: Path) -> None:
+    ids = prompts[-6]  # a looping prompt: long accepted runs
+    ref = plain(llm, ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    eos_tok = ref.token_ids[13]
+    stop = ref.text[len(ref.text) // 2: len(ref.text) // 2 + 2]
+    cases = [
+        SamplingParams(max_new_tokens=7, ignore_eos=True),
+        SamplingParams(max_new_tokens=40, stop_token_ids=(eos_tok,)),
+        SamplingParams(max_new_tokens=40, stop=(stop,), ignore_eos=True) if stop.strip() else None,
+    ]
+    runners = [spec_runner(llm, spec) for spec in spec_configs(tiny_draft_dir, dflash_dir, eagle_dir)]
+    for params in [c for c in cases if c is not None]:
+        want = plain(llm, ids, params)
+        for run in runners:
+            got = run(ids, params)
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+def test_near_the_context_limit(tmp_path: Path, tiny_draft_dir: Path) -> None:
+    from tiny import make_checkpoint
+
+    d = make_checkpoint(tmp_path / "short", "Qwen3ForCausalLM", max_position_embeddings=48)
+    llm = LLM(d, device="cpu", dtype="float32")
+    ids = llm.encode("a = 1\nb = 2\n" * 3)[:40]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    want = plain(llm, ids, params)
+    assert want.num_tokens == 48 - len(ids)
+    df = tmp_path / "df"
+    init_random_dflash(llm.config, df, seed=1, block_size=8)
+    for spec in (SpeculativeConfig.resolve("NGRAM"), SpeculativeConfig.resolve("STANDALONE", str(tiny_draft_dir)),
+                 SpeculativeConfig.resolve("DFLASH", str(df), dflash_block_size=8)):
+        assert run_spec(llm, spec, ids, params).token_ids == want.token_ids
+
+
+def _pairs(results: list[GenerationResult]) -> Counter[tuple[int, ...]]:
+    return Counter(tuple(r.token_ids[:2]) for r in results)
+
+
+@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "ngram-tree"])
+def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dflash_dir: Path, which: str) -> None:
+    """Chi-square on the joint law of the first two tokens, speculative vs plain, 600 seeds each."""
+    from scipy.stats import chi2_contingency
+
+    spec = {
+        "standalone-chain": SpeculativeConfig.resolve("STANDALONE", str(tiny_draft_dir), num_steps=2),
+        "dflash-ddtree": SpeculativeConfig.resolve("DFLASH", str(dflash_dir), dflash_block_size=8,
+                                                   num_draft_tokens=6),
+        "ngram-tree": SpeculativeConfig.resolve("NGRAM"),
+    }[which]
+    ids = llm.encode("a = 1\nb = 2\na = 1\nb")
+    n = 600
+    run = spec_runner(llm, spec)
+    sp = [run(ids, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3, seed=s, ignore_eos=True))
+          for s in range(n)]
+    pl = [plain(llm, ids, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3, seed=10_000 + s,
+                                    ignore_eos=True))
+          for s in range(n)]
+    a, b = _pairs(sp), _pairs(pl)
+    common = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
+             [b[k] for k in common] + [n - sum(b[k] for k in common)]]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    assert len(common) >= 3, "the test needs a spread-out distribution to have power"
+    p_value = chi2_contingency(table)[1]
+    assert p_value > 0.001, (which, p_value)

@@ -1,0 +1,322 @@
+"""DFlash drafter: public checkpoint layout, the architecture against a from-the-definition forward, cached
+context == recomputed context, block attention (bidirectional, bounded), propose shapes, load-time checks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.engine.plain import generate_plain
+from specserve.models.llama import CausalLM
+from specserve.models.loader import load_model
+from specserve.spec.decode import generate_speculative
+from specserve.spec.dflash import DFlashDrafter
+from specserve.spec.dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    check_dflash,
+    default_target_layer_ids,
+    init_random_dflash,
+    load_dflash,
+    save_dflash,
+)
+from specserve.types import SamplingParams
+
+CPU = torch.device("cpu")
+BS = 8  # drafter block size in these tests
+LAYER_PARTS = [
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir: Path) -> CausalLM:
+    model, _, _ = load_model(tiny_dir, CPU, torch.float32)
+    assert isinstance(model, CausalLM)
+    return model
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory, target: CausalLM) -> Path:
+    """A random drafter whose every parameter (norms included) is perturbed, so layout mistakes show."""
+    path = tmp_path_factory.mktemp("dflash")
+    cfg = init_random_dflash(target.config, path, seed=1, num_hidden_layers=2, block_size=BS)
+    model = load_dflash(path, target.config, CPU, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    save_dflash(model, cfg, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft(draft_dir: Path, target: CausalLM) -> DFlashDraftModel:
+    return load_dflash(draft_dir, target.config, CPU, torch.float32)
+
+
+def spec(path: Path, tree: str = "chain", n: int = 5, bs: int | None = BS) -> SpeculativeConfig:
+    return SpeculativeConfig.resolve("DFLASH", str(path), num_draft_tokens=n, dflash_block_size=bs, tree=tree)
+
+
+def drafter(draft: DFlashDraftModel, target: CausalLM, path: Path, tree: str = "chain", n: int = 5,
+            temperature: float = 0.0) -> DFlashDrafter:
+    return DFlashDrafter(draft, target, spec(path, tree, n), SamplingParams(temperature=temperature), None, 64)
+
+
+def test_default_target_layer_ids() -> None:
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # the published Qwen3-8B drafter's choice
+    assert default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(3, 2) == (0, 2)  # too shallow for 1..L-3: spread over every layer
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        default_target_layer_ids(2, 3)
+
+
+def test_reads_the_published_config_layout() -> None:
+    """The shape of z-lab's Qwen3-4B drafter config: block_size only at top level, tied-embedding flag, auto_map."""
+    raw = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "block_size": 16, "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 9728,
+        "layer_types": ["full_attention"] * 5, "max_position_embeddings": 40960, "model_type": "qwen3",
+        "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 36,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936,
+    }
+    cfg = DFlashConfig.from_hf(raw)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.num_target_layers) == (16, 151669, 36)
+    assert cfg.capture == (2, 10, 18, 26, 34) and cfg.body.rope.theta == 1e6
+    assert cfg.body.qk_norm and not cfg.body.tie_word_embeddings
+    del raw["dflash_config"]["target_layer_ids"]  # absent: the reference's default spread
+    assert DFlashConfig.from_hf(raw).target_layer_ids == (1, 9, 17, 25, 33)
+    yarn = {**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            "torch_dtype": "float32"}
+    cfg = DFlashConfig.from_hf(yarn)
+    assert DFlashConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_checkpoint_layout_and_round_trip(draft_dir: Path, draft: DFlashDraftModel, target: CausalLM,
+                                          tmp_path: Path) -> None:
+    raw = json.loads((draft_dir / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == BS
+    assert raw["num_target_layers"] == 3 and raw["num_hidden_layers"] == 2
+    mask = target.config.vocab_size - 1  # default mask token: the last id
+    assert raw["dflash_config"] == {"block_size": BS, "mask_token_id": mask, "target_layer_ids": [0, 2]}
+    assert draft.config.capture == (1, 3)  # HF hidden_states index = layer id + 1
+    with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected |= {f"layers.{i}.{part}" for i in range(2) for part in LAYER_PARTS}
+    assert set(shapes) == expected
+    assert shapes["fc.weight"] == [64, 2 * 64]
+    assert shapes["layers.0.self_attn.q_proj.weight"] == [4 * 16, 64]
+    assert shapes["layers.0.self_attn.k_proj.weight"] == [2 * 16, 64]
+    assert shapes["layers.1.self_attn.k_norm.weight"] == [16]
+
+    save_dflash(draft, draft.config, tmp_path / "again")
+    again = load_dflash(tmp_path / "again", target.config, CPU, torch.float32)
+    assert again.config == draft.config
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == raw
+    for (name, a), (name_b, b) in zip(draft.state_dict().items(), again.state_dict().items(), strict=True):
+        assert name == name_b and torch.equal(a, b), name
+
+    # SGLang also accepts a `model.` prefix on every weight; so do we.
+    prefixed = tmp_path / "prefixed"
+    prefixed.mkdir()
+    (prefixed / "config.json").write_text(json.dumps(raw))
+    with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
+        save_file({f"model.{k}": f.get_tensor(k) for k in f.keys()}, str(prefixed / "model.safetensors"))  # noqa: SIM118
+    third = load_dflash(prefixed, target.config, CPU, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), third.state_dict().values(),
+                                                 strict=True))
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [S, heads, D] at positions pos [S]; HF rotate-half layout."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.double()[:, None] * inv  # [S, D/2]
+    cos, sin = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
+    return x * cos + torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1) * sin
+
+
+def _reference_block(w: dict[str, torch.Tensor], feats: torch.Tensor, noise: torch.Tensor, ctx_pos: torch.Tensor,
+                     blk_pos: torch.Tensor, theta: float, heads: int, kv_heads: int) -> torch.Tensor:
+    """The DFlash block forward written from its definition on the HF-named weights (float64, no batch)."""
+    c = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])  # [T, H]
+    x, q_len, d = noise, noise.shape[0], w["layers.0.self_attn.q_norm.weight"].shape[0]
+    for i in range(sum(1 for k in w if k.endswith("input_layernorm.weight"))):
+        p = {k.split(".", 2)[2]: t for k, t in w.items() if k.startswith(f"layers.{i}.")}
+        h = _rms(x, p["input_layernorm.weight"])
+        q = _rms((h @ p["self_attn.q_proj.weight"].T).view(q_len, heads, d), p["self_attn.q_norm.weight"])
+        kin = torch.cat((c, h))  # context rows first, then the block
+        k = _rms((kin @ p["self_attn.k_proj.weight"].T).view(-1, kv_heads, d), p["self_attn.k_norm.weight"])
+        v = (kin @ p["self_attn.v_proj.weight"].T).view(-1, kv_heads, d)
+        q, k = _rope(q, blk_pos, theta), _rope(k, torch.cat((ctx_pos, blk_pos)), theta)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * d**-0.5, -1)  # no mask at all
+        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(q_len, -1) @ p["self_attn.o_proj.weight"].T
+        h = _rms(x, p["post_attention_layernorm.weight"])
+        gate, up = h @ p["mlp.gate_proj.weight"].T, h @ p["mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ p["mlp.down_proj.weight"].T
+    return _rms(x, w["norm.weight"])
+
+
+def test_forward_matches_definition(draft_dir: Path, draft: DFlashDraftModel) -> None:
+    with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
+        w = {k: f.get_tensor(k).double() for k in f.keys()}  # noqa: SIM118
+    gen = torch.Generator().manual_seed(3)
+    feats, noise = torch.randn(6, 128, generator=gen), torch.randn(BS, 64, generator=gen)
+    ctx_pos, blk_pos = torch.arange(6), torch.arange(6, 6 + BS)
+    ours = draft(noise[None], blk_pos[None], draft.context_kv(feats[None], ctx_pos[None]))[0]
+    body = draft.config.body
+    ref = _reference_block(w, feats.double(), noise.double(), ctx_pos, blk_pos, body.rope.theta,
+                           body.num_attention_heads, body.num_key_value_heads)
+    torch.testing.assert_close(ours.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cached_context_equals_recomputed(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path) -> None:
+    d = drafter(draft, target, draft_dir)
+    gen = torch.Generator().manual_seed(4)
+    feats = torch.randn(5, 128, generator=gen)  # [T, n*H]
+    d.prefill([3, 4, 5, 6, 7], feats)
+    for _ in range(5):
+        root = int(torch.randint(target.config.vocab_size, (1,), generator=gen))
+        cached = d.block_log_probs(root)  # [bs-1, V]
+        p = feats.shape[0]
+        assert d.length == p
+        assert not d.cache.k[0][:, :, p:].any(), "the block's own K/V must never enter the cache"
+        ids = torch.tensor([[root] + [draft.config.mask_token_id] * (BS - 1)])
+        context = draft.context_kv(feats[None], torch.arange(p)[None])  # from scratch
+        hidden = draft(target.embed(ids), torch.arange(p, p + BS)[None], context)
+        fresh = torch.log_softmax(target.logits(hidden[0, 1:]), -1)
+        torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=1e-5)
+        trained = draft.train_blocks(feats[None], target.embed(ids), torch.tensor([[p]]), target.logits)
+        torch.testing.assert_close(cached, torch.log_softmax(trained[0, 1:], -1), atol=1e-5, rtol=1e-5)
+        k = int(torch.randint(BS, (1,), generator=gen))  # accepted drafts this round
+        new = torch.randn(k + 1, 128, generator=gen)
+        d.accept([root, *range(k)], new, next_root=1)
+        feats = torch.cat((feats, new))
+    assert d.length == feats.shape[0]
+
+
+def test_block_attention_is_bidirectional_and_bounded(draft: DFlashDraftModel, target: CausalLM,
+                                                      draft_dir: Path) -> None:
+    gen = torch.Generator().manual_seed(5)
+    feats, noise = torch.randn(1, 12, 128, generator=gen), torch.randn(1, 2 * BS, 64, generator=gen)
+    anchors = torch.tensor([[4, 9]])  # block 0 sees context 0..3, block 1 sees 0..8
+
+    def run(f: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return draft.train_blocks(f, n, anchors, target.logits)[0]  # [2*BS, V]
+
+    base = run(feats, noise)
+    later = noise.clone()
+    later[0, 6] += 1.0  # a later mask slot of block 0
+    out = run(feats, later)
+    assert not torch.allclose(out[2], base[2]), "an earlier position must see a later one (non-causal)"
+    torch.testing.assert_close(out[BS:], base[BS:])  # block 1 does not see block 0
+    ctx = feats.clone()
+    ctx[0, 4:9] += 1.0  # context at/after block 0's anchor, before block 1's
+    out = run(ctx, noise)
+    torch.testing.assert_close(out[:BS], base[:BS])
+    assert not torch.allclose(out[BS:], base[BS:])
+    ctx = feats.clone()
+    ctx[0, 9:] += 1.0  # at/after block 1's anchor
+    torch.testing.assert_close(run(ctx, noise), base)
+
+    d = drafter(draft, target, draft_dir)
+    d.prefill([1, 2, 3], torch.randn(3, 128, generator=gen))
+    before = d.block_log_probs(7)
+    for k in d.cache.k:
+        k[:, :, 3:] = 5.0  # garbage past the committed context must not be read
+    torch.testing.assert_close(d.block_log_probs(7), before)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_propose_chain_and_ddtree(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path,
+                                  temperature: float) -> None:
+    hidden = torch.randn(4, 128, generator=torch.Generator().manual_seed(6))
+    chain = drafter(draft, target, draft_dir, "chain", n=5, temperature=temperature)
+    chain.prefill([5, 6, 7, 8], hidden)
+    tree = chain.propose(11)
+    best = chain.block_log_probs(11).argmax(-1)  # [bs-1]
+    assert tree.is_chain and tree.num_nodes == 4 and tree.draft_probs is None
+    assert tree.tokens.tolist() == [11, *best[:4].tolist()]
+
+    dd = drafter(draft, target, draft_dir, "ddtree", n=40, temperature=temperature)
+    dd.prefill([5, 6, 7, 8], hidden)
+    tree = dd.propose(11)
+    assert tree.num_nodes == 40 and tree.draft_probs is None and int(tree.tokens[0]) == 11
+    assert int(tree.depths.max()) <= BS - 1
+    assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i > 0)
+    assert int(tree.tokens[1]) == int(best[0]) and int(tree.depths[1]) == 1  # the most probable first node
+    assert dd.length == 4  # proposing commits nothing
+
+
+@pytest.mark.parametrize("tree,n", [("chain", 6), ("ddtree", 24)])
+def test_random_drafter_decodes_exactly(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path,
+                                        tree: str, n: int) -> None:
+    """Through the real loop with the real target's captured states: output == plain greedy decoding."""
+    s, params, prompt = spec(draft_dir, tree, n), SamplingParams(max_new_tokens=24), [3, 14, 15, 92, 65, 35]
+    plain = generate_plain(target, [prompt], params, eos_ids=())[0].token_ids
+    res = generate_speculative(target, lambda p, g, m: DFlashDrafter(draft, target, s, p, g, m), prompt, params,
+                               (), n + 1)
+    assert res.token_ids == plain
+
+
+def _edit(src: Path, dst: Path, **changes: Any) -> Path:
+    dst.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    for key, value in changes.items():
+        if key in raw.get("dflash_config", {}):
+            raw["dflash_config"][key] = value
+        else:
+            raw[key] = value
+    raw = {k: v for k, v in raw.items() if v is not None}
+    (dst / "config.json").write_text(json.dumps(raw))
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("changes,target_change,match", [
+    ({}, {"hidden_size": 32}, "hidden_size"),
+    ({}, {"vocab_size": 200}, "vocab_size"),
+    ({}, {"num_hidden_layers": 5}, "num_target_layers"),
+    ({"num_target_layers": None, "target_layer_ids": [0, 7]}, {}, "target_layer_ids"),
+    ({"mask_token_id": 10**6}, {}, "mask_token_id"),
+    ({"target_layer_ids": [0, 1, 2]}, {}, "fc.weight"),
+    ({"architectures": ["Qwen3ForCausalLM"]}, {}, "DFlashDraftModel"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, {}, "sliding"),
+])
+def test_mismatches_are_reported(draft_dir: Path, target: CausalLM, tmp_path: Path, changes: dict[str, Any],
+                                 target_change: dict[str, Any], match: str) -> None:
+    path = _edit(draft_dir, tmp_path / "d", **changes)
+    tcfg: ModelConfig = replace(target.config, **target_change)
+    for check in (lambda: check_dflash(path, tcfg, spec(path)), lambda: load_dflash(path, tcfg, CPU, torch.float32)):
+        with pytest.raises(ValueError, match=match) as err:
+            check()
+        assert "--speculative-draft-model-path" in str(err.value)
+
+
+def test_block_size_and_hidden_checks(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--speculative-dflash-block-size 16 exceeds"):
+        check_dflash(draft_dir, target.config, spec(draft_dir, bs=16))
+    short = DFlashDrafter(draft, target, spec(draft_dir, n=3, bs=4), SamplingParams(), None, 32)
+    short.prefill([1, 2], torch.zeros(2, 128))
+    assert short.block_log_probs(3).shape == (3, target.config.vocab_size)  # a shorter block than trained is allowed
+    with pytest.raises(ValueError, match="capture"):
+        short.prefill([1, 2], None)
