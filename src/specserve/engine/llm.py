@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,6 +69,19 @@ class LLM:
                                  builder.max_tree_nodes, decode)
             for p in ids
         ]
+
+    def generate_one(
+        self, prompt_ids: list[int], params: SamplingParams,
+        on_tokens: Callable[[list[int]], bool] | None = None,
+    ) -> GenerationResult:
+        """One request, streamed: `on_tokens(new_ids)` is called as tokens are committed (False aborts)."""
+        decode = self.tokenizer.decode
+        if self.drafter_builder is None:
+            cb = None if on_tokens is None else (lambda _row, ids: on_tokens(ids))
+            return generate_plain(self.model, [prompt_ids], params, self.eos_ids, decode, cb)[0]
+        b = self.drafter_builder
+        return generate_speculative(self.model, b.for_request, prompt_ids, params, self.eos_ids,
+                                    b.max_tree_nodes, decode, on_tokens)
 
     def generate_plain(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[GenerationResult]:
         """Plain decoding regardless of the speculative config (the reference in benchmarks)."""

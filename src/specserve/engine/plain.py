@@ -21,8 +21,12 @@ def generate_plain(
     params: SamplingParams,
     eos_ids: tuple[int, ...],
     decode: Callable[[list[int]], str] | None = None,
+    on_tokens: Callable[[int, list[int]], bool] | None = None,
 ) -> list[GenerationResult]:
-    """Decode a batch of prompts of different lengths (left-padded, one KV cache)."""
+    """Decode a batch of prompts of different lengths (left-padded, one KV cache).
+
+    `on_tokens(row, new_ids)` sees each row's tokens as they come; returning False aborts that row.
+    """
     cfg = model.config
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
@@ -55,9 +59,11 @@ def generate_plain(
     pos = positions[:, -1:] + 1  # [B, 1]
     while True:
         toks = next_tok.tolist()
-        for c, t in zip(checkers, toks, strict=True):
+        for row, (c, t) in enumerate(zip(checkers, toks, strict=True)):
             if not c.done:
                 c.feed([t])
+                if on_tokens is not None and not on_tokens(row, [t]) and not c.done:
+                    c.finish_reason = "abort"
         if all(c.done for c in checkers):
             break
         out = model(next_tok[:, None], pos, cache.view(cur, 1, mask_for(cur, 1)), last_only=True)

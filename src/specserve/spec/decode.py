@@ -41,7 +41,9 @@ def generate_speculative(
     eos_ids: tuple[int, ...],
     max_tree_nodes: int,
     decode: Callable[[list[int]], str] | None = None,
+    on_tokens: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
+    """Decode one prompt. `on_tokens(new_ids)` sees tokens as they are committed; returning False aborts."""
     cfg = model.config
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     if not prompt:
@@ -60,6 +62,8 @@ def generate_speculative(
     hidden = torch.cat(out.captured, dim=-1)[0] if capture else None  # [T, n*H]
     root = int(pick(out.logits[:, -1], params, gen).item())
     checker.feed([root])
+    if on_tokens is not None and not on_tokens([root]):
+        checker.finish_reason = "abort"
     drafter.prefill(prompt, hidden)
     committed = len(prompt)  # tokens whose KV the target holds; the root is not among them
 
@@ -84,7 +88,9 @@ def generate_speculative(
         draft_s += t1 - t0
         accept_lengths.append(len(res.accepted) + 1)
         depth_hits.append(len(res.accepted))
-        checker.feed([*tokens[1:], res.bonus])
+        taken = checker.feed([*tokens[1:], res.bonus])
+        if on_tokens is not None and not on_tokens(checker.tokens[-taken:]) and not checker.done:
+            checker.finish_reason = "abort"
         if checker.done:
             break
         committed += len(path)
