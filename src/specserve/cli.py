@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from specserve.bench.acceptance_cli import add_acceptance_parser
+from specserve.bench.cli import add_bench_parsers
 from specserve.cli_args import (
     add_model_args,
     add_sampling_args,
@@ -96,12 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true")
     t.set_defaults(func=_train_target)
 
-    try:
-        from specserve.bench.cli import add_bench_parsers
-    except ImportError:
-        pass
-    else:
-        add_bench_parsers(sub)
+    b = sub.add_parser("bench", help="benchmarks: serving sweeps, acceptance per task, comparisons")
+    bench_sub = b.add_subparsers(dest="bench_command", required=True)
+    add_bench_parsers(bench_sub)
+    add_acceptance_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,147 @@
+"""Offline acceptance evaluation: each task decoded plainly and speculatively in the same process.
+
+Per task: mean accept length ("average streak": accepted drafts + 1 per verify step, as SGLang and
+vLLM count it), acceptance per draft position, tokens/s of both runs and the speedup, and the loop
+measure of the plain output (fraction of repeated 4-grams), because small targets loop under greedy
+decoding and loops flatter every drafter.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specserve.bench.suites import Task
+from specserve.engine.llm import LLM
+from specserve.spec.decode import generate_speculative
+from specserve.spec.factory import DrafterBuilder
+from specserve.types import GenerationResult, SamplingParams
+
+
+def repeated_ngram_fraction(tokens: list[int], n: int = 4) -> float:
+    """Fraction of the n-grams of `tokens` that already occurred earlier in `tokens` (0 = no loops)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams)
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    name: str
+    prompt_tokens: int
+    new_tokens: int
+    accept_length: float
+    accept_per_position: list[float]
+    verify_steps: int
+    plain_tokens_per_s: float
+    spec_tokens_per_s: float
+    speedup: float
+    loop_4gram: float
+    identical_to_plain: bool | None  # greedy only: lossless check on the side
+    reference_accept_length: float | None = None
+    percent_of_reference: float | None = None
+
+
+def task_prompt(llm: LLM, task: Task) -> list[int]:
+    if task.messages is not None:
+        return llm.encode(llm.tokenizer.apply_chat_template(task.messages))
+    assert task.prompt is not None
+    return llm.encode(task.prompt)
+
+
+def _timed(fn: Any) -> tuple[GenerationResult, float]:
+    t0 = time.perf_counter()
+    res = fn()
+    return res, time.perf_counter() - t0
+
+
+def run_acceptance(
+    llm: LLM,
+    tasks: list[Task],
+    params: SamplingParams,
+    reference: DrafterBuilder | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    if llm.drafter_builder is None:
+        raise ValueError("acceptance evaluation needs --speculative-algorithm other than NONE")
+    prompts = [task_prompt(llm, t) for t in tasks]
+    # warm-up: first calls pay one-time costs (allocations, RoPE tables) that are not decoding speed
+    warm = SamplingParams(max_new_tokens=4, temperature=params.temperature, seed=params.seed, ignore_eos=True)
+    llm.generate_plain([prompts[0]], warm)
+    llm.generate_one(prompts[0], warm)
+    results: list[TaskResult] = []
+    all_steps: list[int] = []
+    tot = {"plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "draft_s": 0.0, "verify_s": 0.0}
+    ref_steps: list[int] = []
+    for task, ids in tqdm(list(zip(tasks, prompts, strict=True)), desc="acceptance", unit="task",
+                          disable=not progress, file=sys.stderr):
+        plain, t_plain = _timed(lambda ids=ids: llm.generate_plain([ids], params)[0])
+        spec, t_spec = _timed(lambda ids=ids: llm.generate_one(ids, params))
+        ref_len = pct = None
+        if reference is not None:
+            ref = generate_speculative(llm.model, reference.for_request, ids, params, llm.eos_ids,
+                                       reference.max_tree_nodes, llm.tokenizer.decode)
+            ref_steps.extend(ref.accept_lengths)
+            ref_len = ref.accept_length
+            pct = 100.0 * spec.accept_length / ref_len if ref_len else None
+        all_steps.extend(spec.accept_lengths)
+        tot["plain_s"] += t_plain
+        tot["spec_s"] += t_spec
+        tot["plain_tokens"] += plain.num_tokens
+        tot["spec_tokens"] += spec.num_tokens
+        tot["draft_s"] += spec.draft_s
+        tot["verify_s"] += spec.verify_s
+        p_tps, s_tps = plain.num_tokens / t_plain, spec.num_tokens / t_spec
+        results.append(TaskResult(
+            name=task.name, prompt_tokens=len(ids), new_tokens=spec.num_tokens,
+            accept_length=round(spec.accept_length, 4),
+            accept_per_position=[round(x, 4) for x in spec.accept_per_position],
+            verify_steps=spec.num_verify_steps, plain_tokens_per_s=round(p_tps, 2),
+            spec_tokens_per_s=round(s_tps, 2), speedup=round(s_tps / p_tps, 4),
+            loop_4gram=round(repeated_ngram_fraction(plain.token_ids), 4),
+            identical_to_plain=(plain.token_ids == spec.token_ids) if params.greedy else None,
+            reference_accept_length=None if ref_len is None else round(ref_len, 4),
+            percent_of_reference=None if pct is None else round(pct, 2),
+        ))
+    plain_tps = tot["plain_tokens"] / tot["plain_s"]
+    spec_tps = tot["spec_tokens"] / tot["spec_s"]
+    accept = sum(all_steps) / max(1, len(all_steps))
+    summary: dict[str, Any] = {
+        "tasks": len(results),
+        "accept_length": round(accept, 4),
+        "plain_tokens_per_s": round(plain_tps, 2),
+        "spec_tokens_per_s": round(spec_tps, 2),
+        "speedup": round(spec_tps / plain_tps, 4),
+        "speedup_over_accept_length": round(spec_tps / plain_tps / accept, 4),
+        "loop_4gram": round(sum(r.loop_4gram for r in results) / len(results), 4),
+        # of the speculative run's time: drafting, verifying (target forward + verify + KV commit)
+        "draft_share_of_time": round(tot["draft_s"] / tot["spec_s"], 4),
+        "verify_share_of_time": round(tot["verify_s"] / tot["spec_s"], 4),
+    }
+    if params.greedy:
+        summary["identical_to_plain"] = f"{sum(bool(r.identical_to_plain) for r in results)}/{len(results)}"
+    if ref_steps:
+        ref_accept = sum(ref_steps) / len(ref_steps)
+        summary["reference_accept_length"] = round(ref_accept, 4)
+        summary["percent_of_reference"] = round(100 * accept / ref_accept, 2)
+    return {
+        "kind": "acceptance",
+        "schema_version": 1,
+        "config": {
+            "model": str(llm.model_dir), "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "speculative": asdict(llm.spec), "sampling": asdict(params),
+        },
+        "summary": summary,
+        "tasks": [asdict(r) for r in results],
+    }

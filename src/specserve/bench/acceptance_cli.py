@@ -1,0 +1,57 @@
+"""`specserve bench acceptance`: accept length and speedup per task, plain vs speculative, one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
+from specserve.types import SamplingParams
+
+
+def add_acceptance_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("acceptance", help="accept length and speedup per task (offline, same process)")
+    add_model_args(p)
+    add_speculative_args(p)
+    p.add_argument("--suite", default="heldout-code", help="coding10 | heldout-code | FILE.jsonl")
+    p.add_argument("--num-tasks", type=int, default=None, help="use the first N tasks of the suite")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default 32 for heldout-code (short horizon), 128 otherwise")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference-draft", default=None, help="a reference drafter to compare ours with")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (always printed to stdout too)")
+    p.set_defaults(func=cmd_acceptance)
+
+
+def cmd_acceptance(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from specserve.bench.acceptance import run_acceptance
+    from specserve.bench.suites import load_suite
+    from specserve.engine.llm import LLM
+    from specserve.spec.factory import DrafterBuilder, plan_drafter
+
+    tasks = load_suite(a.suite)[: a.num_tasks]
+    new = a.max_new_tokens or (32 if a.suite == "heldout-code" else 128)
+    params = SamplingParams(max_new_tokens=new, temperature=a.temperature, seed=a.seed, ignore_eos=True)
+    spec = speculative_from_args(a)
+    if not spec.enabled:
+        raise ValueError("--speculative-algorithm is required (acceptance compares it with plain decoding)")
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec)
+    reference = None
+    if a.reference_draft:
+        ref_spec = replace(spec, draft_model_path=a.reference_draft)
+        reference = DrafterBuilder(plan_drafter(ref_spec, llm.config), llm.model, llm.device, llm.dtype)
+    report = run_acceptance(llm, tasks, params, reference)
+    report["config"]["suite"] = a.suite
+    report["command_line"] = sys.argv
+    text = json.dumps(report, indent=2)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(text)
+    return 0
