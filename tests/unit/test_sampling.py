@@ -1,0 +1,32 @@
+"""The processed target distribution: temperature, top-k, top-p, min-p."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.layers.sampling import pick, target_probs
+from specserve.types import SamplingParams
+
+
+def test_top_k_top_p_min_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(p, torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]), atol=1e-6)
+    k2 = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(k2, torch.tensor([[0.5 / 0.7, 0.2 / 0.7, 0, 0, 0]]), atol=1e-6)
+    # top-p 0.8 keeps the smallest prefix whose mass reaches 0.8: 0.5 + 0.2 + 0.15
+    p8 = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert (p8[0] > 0).tolist() == [True, True, True, False, False]
+    m = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))  # keep p >= 0.15
+    assert (m[0] > 0).tolist() == [True, True, True, False, False]
+    hot = target_probs(logits, SamplingParams(temperature=2.0))
+    assert hot[0, 4] > p[0, 4] and abs(hot.sum().item() - 1) < 1e-6
+
+
+def test_pick_greedy_and_seeded() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pick(logits, SamplingParams(), None), logits.argmax(-1))
+    params = SamplingParams(temperature=1.0)
+    a = pick(logits, params, torch.Generator().manual_seed(5))
+    b = pick(logits, params, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
