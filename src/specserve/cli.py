@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, train-target, bench (and more as they land)."""
+"""`specserve` command line: generate, serve, bench, train, train-target."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from specserve.cli_args import (
     sampling_from_args,
     speculative_from_args,
 )
+from specserve.server.cli import add_serve_parser
+from specserve.train.cli import add_train_parsers
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compile", action="store_true", help="torch.compile the training step")
     t.add_argument("--resume", action="store_true")
     t.set_defaults(func=_train_target)
+
+    add_serve_parser(sub)
+
+    tr = sub.add_parser("train", help="drafter training: prepare data, EAGLE-3, DFlash, export")
+    add_train_parsers(tr.add_subparsers(dest="train_command", required=True))
 
     b = sub.add_parser("bench", help="benchmarks: serving sweeps, acceptance per task, comparisons")
     bench_sub = b.add_subparsers(dest="bench_command", required=True)

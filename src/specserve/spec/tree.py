@@ -49,14 +49,12 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool: mask[i, j] = node j is node i or one of its ancestors."""
         n = self.tokens.shape[0]
-        parents = self.parents.tolist()
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                mask[i, j] = True
-                j = parents[j]
-        return mask.to(self.tokens.device)
+        rows: list[list[bool]] = []
+        for i, p in enumerate(self.parents.tolist()):  # parents precede children
+            row = list(rows[p]) if p >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool, device=self.tokens.device)
 
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(self.tokens.shape[0])]

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving: app, schemas, tool-call parsers, metrics, the engine behind them."""

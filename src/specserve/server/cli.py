@@ -1,0 +1,74 @@
+"""`specserve serve`: load the model, then serve the OpenAI-compatible API with uvicorn.
+
+    specserve serve --model demo --speculative-algorithm NGRAM --port 30000
+    python -m specserve.server.cli --config serve.yaml --port 30001
+
+SIGTERM (or Ctrl-C): stop accepting connections, give in-flight requests --shutdown-timeout seconds to
+finish, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from specserve.server.serve_config import add_serve_arguments, mark_defaults, serve_config_from_args
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `serve` to the `specserve` command's subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="serve an OpenAI-compatible HTTP API (plain or speculative decoding)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_arguments(p)
+    mark_defaults(p)
+    p.set_defaults(func=run_server)
+    return p
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.engine.llm import LLM
+    from specserve.server.app import create_app
+    from specserve.server.engine import AsyncEngine
+
+    cfg = serve_config_from_args(args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
+    app = create_app(AsyncEngine(llm, cfg.max_queue), cfg)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout), lifespan="on",
+    ))
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler that was in place
+    # before it started: make that one a no-op, so a graceful shutdown ends with exit code 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
+    server.run()
+    if not server.started:
+        print(f"specserve serve: could not serve on {cfg.host}:{cfg.port}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as e:
+        print(f"specserve serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""`specserve serve` configuration: flags, or a YAML file (`--config serve.yaml`) whose keys are the flags.
+
+    model: demo
+    speculative-algorithm: NGRAM
+    max_queue: 64          # dashes or underscores
+    api-key: secret
+
+Flags given on the command line override the file; an unknown key is an error naming it. File values
+go through the same argparse types and choices as flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
+from specserve.config import SpeculativeConfig
+from specserve.server.tool_parsers import TOOL_PARSERS
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "demo"
+    device: str = "auto"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_queue: int = 256
+    served_model_name: str | None = None
+    tool_call_parser: str | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_queue < 1:
+            raise ValueError(f"--max-queue must be at least 1 (requests waiting before 503), got {self.max_queue}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty; leave it out to serve without a key")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; "
+                             f"use one of {', '.join(TOOL_PARSERS)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level {self.log_level!r} is not known; use one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients send as `model` (and /v1/models lists)."""
+        return self.served_model_name or self.model
+
+    def public(self) -> dict[str, Any]:
+        """The configuration as /server_info shows it (the API key itself is not shown)."""
+        return {
+            "model": self.model, "served_model_name": self.model_name, "device": self.device, "dtype": self.dtype,
+            "host": self.host, "port": self.port, "api_key_required": self.api_key is not None,
+            "max_queue": self.max_queue, "tool_call_parser": self.tool_call_parser,
+            "shutdown_timeout": self.shutdown_timeout,
+        }
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--config", default=None, help="YAML file whose keys are these flags (flags override it)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /server_info")
+    g.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS))
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_speculative_args(p)
+
+
+class _Default:
+    """A parser default, wrapped so that flags given on the command line can be told apart from it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def mark_defaults(p: argparse.ArgumentParser) -> None:
+    """Wrap every default of `p` in `_Default` (undone by `serve_config_from_args`)."""
+    defaults = vars(p.parse_args([]))
+    p.set_defaults(**{k: _Default(v) for k, v in defaults.items() if k != "func"})
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def _file_parser() -> argparse.ArgumentParser:
+    p = _RaisingParser(prog="specserve serve", allow_abbrev=False, add_help=False)
+    add_serve_arguments(p)
+    return p
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Keys (flag names, dashes or underscores) -> values of a serve YAML file, unchecked."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({e})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(raw).__name__}")
+    return {str(k): v for k, v in raw.items()}
+
+
+def parse_config_file(path: str | Path) -> dict[str, Any]:
+    """dest -> value for the keys of the file, converted and checked as the flags would be."""
+    entries = read_config_file(path)
+    parser = _file_parser()
+    dests = set(vars(parser.parse_args([]))) - {"config"}
+    tokens: list[str] = []
+    for key, value in entries.items():
+        dest = key.replace("-", "_")
+        if dest not in dests:
+            raise ValueError(f"--config {path}: unknown key {key!r}; the keys are the flags of `specserve serve` "
+                             "without their dashes, e.g. max-queue or speculative-algorithm")
+        flag = "--" + dest.replace("_", "-")
+        for v in value if isinstance(value, list) else [value]:
+            if v is None or v is False:
+                continue
+            tokens += [flag] if v is True else [flag, str(v)]
+    try:
+        ns = parser.parse_args(tokens)
+    except ValueError as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    return {k.replace("-", "_"): getattr(ns, k.replace("-", "_")) for k in entries}
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Defaults < the --config file < flags given on the command line."""
+    given = {k: v for k, v in vars(args).items() if not isinstance(v, _Default)}
+    merged = {k: v.value if isinstance(v, _Default) else v for k, v in vars(args).items()}
+    config_path = merged.get("config")
+    if config_path:
+        merged.update(parse_config_file(config_path))
+        merged.update(given)
+    ns = argparse.Namespace(**merged)
+    return ServeConfig(
+        model=ns.model, device=ns.device, dtype=ns.dtype, host=ns.host, port=ns.port, api_key=ns.api_key,
+        max_queue=ns.max_queue, served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
+        shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level, speculative=speculative_from_args(ns),
+    )

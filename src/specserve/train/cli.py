@@ -1,0 +1,188 @@
+"""`specserve train prepare | eagle3 | dflash | export`: drafter training from the command line.
+
+    specserve train prepare --target demo --out runs/data
+    specserve train eagle3 --target demo --data runs/data --out runs/eagle3 --steps 2000
+    torchrun --nproc-per-node 2 -m specserve.train.cli dflash --target demo --data runs/data --out runs/dflash
+    specserve train export --drafter runs/eagle3 --target demo --format sglang --out exported/eagle3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.train.trainer import Trainer
+
+
+def _prepare(a: argparse.Namespace) -> int:
+    from specserve.train.data import PrepareConfig, prepare
+
+    extra = {"prompts": a.prompts} if a.prompts is not None else {}
+    cfg = PrepareConfig(target=a.target, out=a.out, temperature=a.temperature, top_p=a.top_p,
+                        max_new_tokens=a.max_new_tokens, samples_per_prompt=a.samples_per_prompt,
+                        batch_size=a.batch_size, shard_size=a.shard_size, limit=a.limit, seed=a.seed,
+                        device=a.device, dtype=a.dtype, **extra)
+    print(json.dumps(prepare(cfg)))
+    return 0
+
+
+def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, Any]]:
+    """Build everything for `kind` from parsed flags, train; returns the Trainer (its objective holds the
+    trained drafter) and the summary. Flags and the target/drafter/data fit are checked before the first step."""
+    from specserve.models.llama import CausalLM
+    from specserve.models.loader import load_model
+    from specserve.train.data import load_examples
+    from specserve.train.distributed import init_distributed
+    from specserve.train.evaluate import AcceptanceEvaluator, EvalConfig
+    from specserve.train.trainer import Objective, TrainConfig, Trainer
+
+    cfg = TrainConfig(out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup_steps,
+                      min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
+                      save_every=a.save_every, log_every=a.log_every, eval_every=a.eval_every, seed=a.seed,
+                      precision=a.precision, resume=a.resume, progress=not a.no_progress)
+    eval_cfg = EvalConfig(suite=a.eval_suite, num_prompts=a.eval_prompts, max_new_tokens=a.eval_max_new_tokens)
+    ctx, device = init_distributed(a.device)
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"
+                                        and torch.cuda.is_bf16_supported())
+    target, tcfg, target_dir = load_model(a.target, device, torch.bfloat16 if bf16 else torch.float32)
+    assert isinstance(target, CausalLM)
+    data, info = load_examples(a.data, tcfg.vocab_size, a.max_len)
+    objective: Objective
+    if kind == "eagle3":
+        from specserve.train.eagle3 import Eagle3TrainConfig, build_eagle3
+
+        aux = tuple(a.aux_layer_ids) if a.aux_layer_ids else None
+        objective = build_eagle3(target, data, Eagle3TrainConfig(
+            ttt_steps=a.ttt_steps, step_decay=a.step_decay, draft_vocab_size=a.draft_vocab_size, aux_layer_ids=aux,
+            init_from=a.init_from, head_from_target=not a.random_head, seed=a.seed))
+    else:
+        from specserve.train.dflash import DFlashTrainConfig, build_dflash
+
+        ids = tuple(a.target_layer_ids) if a.target_layer_ids else None
+        objective = build_dflash(target, target_dir, DFlashTrainConfig(
+            block_size=a.block_size, anchors_per_seq=a.anchors_per_seq, gamma=a.gamma, num_layers=a.num_layers,
+            target_layer_ids=ids, mask_token_id=a.mask_token_id, init_from=a.init_from, seed=a.seed))
+    evaluate = None
+    if cfg.eval_every:
+        ref = Path(a.reference_draft) if a.reference_draft else None
+        evaluate = AcceptanceEvaluator(kind, target, target_dir, eval_cfg, ref)
+    info = {**info, "data_dir": str(a.data), "target": str(target_dir)}
+    if info.get("dropped_short") and ctx.main:
+        print(f"note: {info['dropped_short']} sequences with < 2 response tokens within --max-len were left out",
+              file=sys.stderr)
+    trainer = Trainer(cfg, objective, data, ctx, device, evaluate, info)
+    return trainer, trainer.run()
+
+
+def _train(kind: str) -> Any:
+    def handler(a: argparse.Namespace) -> int:
+        trainer, summary = run_training(kind, a)
+        if trainer.ctx.main:
+            print(json.dumps(summary))
+        return 0
+
+    return handler
+
+
+def _export(a: argparse.Namespace) -> int:
+    from specserve.train.export import ExportConfig, export
+
+    print(json.dumps(export(ExportConfig(drafter=a.drafter, target=a.target, out=a.out, format=a.format,
+                                         dtype=a.dtype))))
+    return 0
+
+
+def _common_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="demo", help="target model: a HF directory or `demo`")
+    p.add_argument("--data", type=Path, required=True, help="a directory written by `specserve train prepare`")
+    p.add_argument("--out", type=Path, required=True, help="run directory (checkpoint, drafter/, logs)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per process per step")
+    p.add_argument("--max-len", type=int, default=1024, help="cut sequences to this many tokens")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="auto", help="auto (bf16 on CUDA that has it, else fp32) | bf16 | fp32")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (under torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--init-from", default=None, help="start from this drafter directory instead of random weights")
+    p.add_argument("--eval-every", type=int, default=0, help="acceptance evaluation every N steps (0 = off)")
+    p.add_argument("--eval-suite", default="heldout-code", help="coding10 | heldout-code | FILE.jsonl")
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-max-new-tokens", type=int, default=32)
+    p.add_argument("--reference-draft", default=None, help="a drafter to compare with at each evaluation")
+
+
+def add_train_parsers(subparsers: Any) -> None:
+    p = subparsers.add_parser("prepare", help="regenerate responses with the target; write token shards")
+    p.add_argument("--target", default="demo")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSONL with `prompt` or chat `messages` per line (default: the bundled stdlib openings)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.set_defaults(func=_prepare)
+
+    e = subparsers.add_parser("eagle3", help="train an EAGLE-3 drafter (training-time test)")
+    _common_train_args(e)
+    e.add_argument("--ttt-steps", type=int, default=7, help="unrolled steps of the training-time test")
+    e.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step i is decay^i")
+    e.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, vocab_size)")
+    e.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, help="HF hidden_states indices to tap")
+    e.add_argument("--random-head", action="store_true", help="do not start lm_head from the target's")
+    e.set_defaults(func=_train("eagle3"))
+
+    d = subparsers.add_parser("dflash", help="train a DFlash block drafter")
+    _common_train_args(d)
+    d.add_argument("--block-size", type=int, default=None, help="default 16 (or the --init-from drafter's)")
+    d.add_argument("--anchors-per-seq", type=int, default=64)
+    d.add_argument("--gamma", type=float, default=7.0, help="position k weight exp(-(k-1)/gamma)")
+    d.add_argument("--num-layers", type=int, default=2)
+    d.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="target layers whose output to tap")
+    d.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>")
+    d.set_defaults(func=_train("dflash"))
+
+    x = subparsers.add_parser("export", help="write a drafter as a HF directory SGLang / vLLM / DFlash load")
+    x.add_argument("--drafter", type=Path, required=True, help="a drafter directory or a training run directory")
+    x.add_argument("--target", default="demo")
+    x.add_argument("--format", required=True, choices=("sglang", "vllm", "dflash"))
+    x.add_argument("--out", type=Path, required=True)
+    x.add_argument("--dtype", default="bfloat16", help="float32 | float16 | bfloat16")
+    x.set_defaults(func=_export)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m specserve.train.cli ...`, e.g. under torchrun)."""
+    parser = argparse.ArgumentParser(prog="specserve train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_parsers(parser.add_subparsers(dest="command", required=True))
+    a = parser.parse_args(argv)
+    try:
+        return int(a.func(a))
+    except (ValueError, OSError) as e:
+        print(f"specserve train {a.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""DFlash training: blocks [anchor token, MASK x (bs-1)] predicted in one non-causal forward.
+
+For every sequence, anchors are sampled among response positions that have a next token (without
+replacement; sequences with fewer positions than anchors use all of them). The block of anchor a sits at
+positions a .. a+bs-1, sees the target's context at positions < a (its tapped states, "KV injection") and
+itself bidirectionally, never the other blocks (`DFlashDraftModel.train_blocks`). Block position k >= 1
+predicts token a+k through the target's own LM head; cross-entropy weighted exp(-(k-1)/gamma), gamma = 7,
+over positions inside the sequence. This is the drafting of `spec/dflash.py` with the anchor as the root.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.models.llama import CausalLM
+from specserve.spec.dflash_model import DFlashDraftModel, init_random_dflash, load_dflash, save_dflash
+from specserve.tokenizer import Tokenizer
+from specserve.train.corpus import SPECIAL_TOKENS
+from specserve.train.data import Example, collate
+from specserve.train.distributed import sync
+from specserve.train.trainer import Objective, StepLoss
+
+MASK_TOKEN = SPECIAL_TOKENS[3]  # "<|mask|>", reserved in the demo tokenizer for this purpose
+
+
+@dataclass(frozen=True)
+class DFlashTrainConfig:
+    block_size: int | None = None  # default 16 (or the --init-from drafter's)
+    anchors_per_seq: int = 64
+    gamma: float = 7.0
+    num_layers: int = 2
+    target_layer_ids: tuple[int, ...] | None = None  # default: spread over the target's layers
+    mask_token_id: int | None = None  # default: the target tokenizer's <|mask|>
+    init_from: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"--block-size must be at least 2, got {self.block_size}")
+        if self.anchors_per_seq < 1 or self.num_layers < 1:
+            raise ValueError("--anchors-per-seq and --num-layers must be at least 1")
+        if self.gamma <= 0:
+            raise ValueError(f"--gamma must be positive, got {self.gamma}")
+
+
+def sample_anchors(lens: torch.Tensor, prompt_lens: torch.Tensor, n: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """lens, prompt_lens [B] -> anchors [B, N] (sorted) in [prompt_len, len-2], and ok [B, N] (False: padding
+    for a sequence with fewer than N such positions)."""
+    anchors = torch.zeros(len(lens), n, dtype=torch.long)
+    ok = torch.zeros(len(lens), n, dtype=torch.bool)
+    for row, (t, p) in enumerate(zip(lens.tolist(), prompt_lens.tolist(), strict=True)):
+        count = t - 1 - p  # positions p .. t-2
+        take = min(n, count)
+        picked = torch.randperm(count, generator=gen)[:take] + p
+        anchors[row, :take] = picked.sort().values
+        anchors[row, take:] = p
+        ok[row, :take] = True
+    return anchors.to(lens.device), ok.to(lens.device)
+
+
+def position_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """[bs]: 0 for the anchor itself, exp(-(k-1)/gamma) for block position k >= 1."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+def block_batch(ids: torch.Tensor, lens: torch.Tensor, anchors: torch.Tensor, ok: torch.Tensor, block_size: int,
+                mask_token_id: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, T] -> block inputs [B, N*bs] ([anchor token, MASK...] per block), labels [B, N*bs] (token at
+    anchor+k), weights [B, N*bs] (position weight; 0 outside the sequence or for padded anchors)."""
+    t = ids.shape[1]
+    pos = anchors[:, :, None] + torch.arange(block_size, device=ids.device)  # [B, N, bs]
+    inputs = torch.full_like(pos, mask_token_id)
+    inputs[:, :, 0] = ids.gather(1, anchors)
+    labels = ids.gather(1, pos.clamp(max=t - 1).flatten(1))  # [B, N*bs]
+    inside = (pos < lens[:, None, None]) & ok[:, :, None]  # [B, N, bs]
+    weights = position_weights(block_size, gamma, ids.device) * inside
+    return inputs.flatten(1), labels, weights.flatten(1)
+
+
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits [B, Q, V], labels/weights [B, Q] -> sum(w * CE) / sum(w)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(weights)
+    return (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+
+
+def block_streak(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int) -> float:
+    """Teacher-forced accept length of greedy blocks: 1 + leading correct positions, mean over blocks."""
+    b = logits.shape[0]
+    correct = ((logits.argmax(dim=-1) == labels) & (weights > 0)).view(b, -1, block_size)[:, :, 1:]
+    blocks = (weights.view(b, -1, block_size)[:, :, 1] > 0)  # blocks with at least one label
+    streak = 1 + correct.long().cumprod(dim=-1).sum(dim=-1)  # [B, N]
+    return float(streak[blocks].float().mean()) if blocks.any() else 1.0
+
+
+class DFlashObjective(Objective):
+    kind = "dflash"
+    drafter: DFlashDraftModel
+
+    def __init__(self, target: CausalLM, drafter: DFlashDraftModel, cfg: DFlashTrainConfig) -> None:
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.device = target.lm_head.weight.device
+        self.block_size = drafter.config.block_size
+
+    def loss(self, batch: list[Example], gen: torch.Generator) -> StepLoss:
+        ids, lens, plens = collate(batch, self.device)  # [B, T], [B], [B]
+        anchors, ok = sample_anchors(lens, plens, self.cfg.anchors_per_seq, gen)  # [B, N]
+        dcfg = self.drafter.config
+        inputs, labels, weights = block_batch(ids, lens, anchors, ok, self.block_size, dcfg.mask_token_id,
+                                              self.cfg.gamma)
+        sync(self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            out = self.target(ids, positions, capture=dcfg.capture, compute_logits=False)
+            features = torch.cat(out.captured, dim=-1)  # [B, T, n*H]
+        sync(self.device)
+        target_s = time.perf_counter() - t0
+        noise = self.target.embed(inputs)  # [B, N*bs, H] (frozen: the target's embedding)
+        logits = self.drafter.train_blocks(features, noise, anchors, self.target.logits)  # [B, N*bs, V]
+        loss = dflash_loss(logits, labels, weights)
+        with torch.no_grad():
+            streak = block_streak(logits, labels, weights, self.block_size)
+        return StepLoss(loss, int(lens.sum()), target_s, {"block_streak": streak})
+
+    def save_drafter(self, path: Path) -> None:
+        save_dflash(self.drafter, self.drafter.config, path)
+
+
+def _mask_token(cfg: DFlashTrainConfig, target_dir: Path, vocab_size: int) -> int:
+    if cfg.mask_token_id is not None:
+        if not 0 <= cfg.mask_token_id < vocab_size:
+            raise ValueError(f"--mask-token-id {cfg.mask_token_id} must be in [0, vocab_size {vocab_size})")
+        return cfg.mask_token_id
+    tid = Tokenizer(target_dir).token_to_id(MASK_TOKEN)
+    if tid is None:
+        raise ValueError(f"--mask-token-id: the target's tokenizer has no {MASK_TOKEN} token; pass the id of an "
+                         "unused token")
+    return tid
+
+
+def build_dflash(target: CausalLM, target_dir: Path, cfg: DFlashTrainConfig) -> DFlashObjective:
+    """A trainable drafter (fp32) for `target`, from `init_from` or random. A drafter that does not fit the
+    target (hidden size, vocabulary, tapped layers) raises ValueError here, before any training."""
+    tcfg = target.config
+    device = target.lm_head.weight.device
+    if cfg.init_from is not None:
+        drafter = load_dflash(cfg.init_from, tcfg, device, torch.float32)
+        if cfg.block_size is not None and cfg.block_size != drafter.config.block_size:
+            raise ValueError(f"--block-size {cfg.block_size} differs from the block_size "
+                             f"{drafter.config.block_size} of --init-from {cfg.init_from}")
+    else:
+        mask = _mask_token(cfg, target_dir, tcfg.vocab_size)
+        with tempfile.TemporaryDirectory() as d:
+            init_random_dflash(tcfg, Path(d), seed=cfg.seed, num_hidden_layers=cfg.num_layers,
+                               block_size=cfg.block_size or 16, target_layer_ids=cfg.target_layer_ids,
+                               mask_token_id=mask)
+            drafter = load_dflash(d, tcfg, device, torch.float32)
+    drafter.train()
+    for p in drafter.parameters():
+        p.requires_grad_(True)
+    return DFlashObjective(target, drafter, cfg)

@@ -1,0 +1,114 @@
+"""Acceptance of a drafter during training: mean accept length on held-out prompts, optionally as a share
+of a reference drafter's ("ours reaches 64% of the reference's streak").
+
+Decoding is the real speculative loop (`generate_speculative` with a `DrafterBuilder`), on the target the
+trainer already holds. EAGLE-3 drafts a chain of `eagle_steps`; DFlash builds a DDTree of `ddtree_budget`
+nodes. The loop measure (repeated 4-grams of the output) is reported with it: greedy outputs of a small
+target loop, and loops flatter every drafter. Prompts too long for the target's context keep their last tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.bench.acceptance import repeated_ngram_fraction
+from specserve.bench.suites import load_suite
+from specserve.config import SpeculativeConfig
+from specserve.models.llama import CausalLM
+from specserve.spec.decode import generate_speculative
+from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.tokenizer import Tokenizer
+from specserve.types import SamplingParams
+
+ALGORITHM = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    suite: str = "heldout-code"  # coding10 | heldout-code | FILE.jsonl (never training prompts)
+    num_prompts: int | None = 8
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+    eagle_steps: int = 5
+    ddtree_budget: int = 16
+
+    def __post_init__(self) -> None:
+        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"--eval-prompts must be at least 1, got {self.num_prompts}")
+        if self.eagle_steps < 1 or self.ddtree_budget < 1:
+            raise ValueError("--eval-eagle-steps and --eval-ddtree-budget must be at least 1")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    accept_length: float  # mean over every verify step of every prompt
+    verify_steps: int
+    tokens: int
+    loop_4gram: float  # mean over prompts
+
+
+def drafter_spec(kind: str, path: Path, cfg: EvalConfig) -> SpeculativeConfig:
+    if kind not in ALGORITHM:
+        raise ValueError(f"unknown drafter kind {kind!r}; use one of {', '.join(ALGORITHM)}")
+    if kind == "eagle3":
+        return SpeculativeConfig.resolve("EAGLE3", str(path), num_steps=cfg.eagle_steps, eagle_topk=1)
+    return SpeculativeConfig.resolve("DFLASH", str(path), num_draft_tokens=cfg.ddtree_budget, tree="ddtree")
+
+
+class AcceptanceEvaluator:
+    """Called with a drafter directory; returns accept length, loop measure and the reference comparison."""
+
+    def __init__(self, kind: str, target: CausalLM, target_dir: Path, cfg: EvalConfig,
+                 reference: Path | None = None) -> None:
+        self.kind, self.target, self.cfg, self.reference = kind, target, cfg, reference
+        self.tokenizer = Tokenizer(target_dir)
+        eos = set(target.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+        # Prompts longer than the target's context allows (with the horizon and a verify tree) keep their end.
+        room = target.config.max_position_embeddings - cfg.max_new_tokens - 2 * max(cfg.ddtree_budget,
+                                                                                      cfg.eagle_steps + 1)
+        if room < 1:
+            raise ValueError(f"--eval-max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the "
+                             f"target's context of {target.config.max_position_embeddings}")
+        self.prompts: list[list[int]] = []
+        for task in load_suite(cfg.suite)[: cfg.num_prompts]:
+            text = task.prompt if task.messages is None else self.tokenizer.apply_chat_template(task.messages)
+            self.prompts.append(self.tokenizer.encode(text or "")[-room:])
+        self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                                     ignore_eos=True)
+        self._reference: Acceptance | None = None
+
+    def measure(self, drafter_dir: Path) -> Acceptance:
+        spec = drafter_spec(self.kind, drafter_dir, self.cfg)
+        weight = self.target.lm_head.weight
+        builder = DrafterBuilder(plan_drafter(spec, self.target.config), self.target, weight.device, weight.dtype)
+        steps: list[int] = []
+        loops: list[float] = []
+        tokens = 0
+        was_training = self.target.training
+        self.target.eval()
+        for ids in self.prompts:
+            res = generate_speculative(self.target, builder.for_request, ids, self.params, self.eos_ids,
+                                       builder.max_tree_nodes, self.tokenizer.decode)
+            steps.extend(res.accept_lengths)
+            loops.append(repeated_ngram_fraction(res.token_ids))
+            tokens += res.num_tokens
+        self.target.train(was_training)
+        return Acceptance(sum(steps) / max(1, len(steps)), len(steps), tokens, sum(loops) / max(1, len(loops)))
+
+    def __call__(self, drafter_dir: Path) -> dict[str, float]:
+        ours = self.measure(drafter_dir)
+        out = {"accept_length": round(ours.accept_length, 4), "loop_4gram": round(ours.loop_4gram, 4),
+               "verify_steps": ours.verify_steps}
+        if self.reference is not None:
+            if self._reference is None:
+                self._reference = self.measure(self.reference)
+            ref = self._reference.accept_length
+            out["reference_accept_length"] = round(ref, 4)
+            out["percent_of_reference"] = round(100 * ours.accept_length / ref, 2)
+        return out

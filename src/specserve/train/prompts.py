@@ -1,0 +1,124 @@
+"""The bundled drafter-training prompts: code openings cut from the standard library's training split.
+
+    python -m specserve.train.prompts --out src/specserve/assets/train_prompts.jsonl --count 320
+
+An opening is what the evaluation's coding prompts look like: a `def`/`class` header and its docstring
+(methods keep their class's first line), taken from the files the demo target trained on
+(`corpus.is_validation` false, test packages left out). At most one opening per file, chosen by a stable
+hash, so the set is reproducible for a given interpreter. Nothing comes from the evaluation suites:
+openings that share text with `coding10` or `heldout-code` are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.bench.suites import Task, load_suite
+from specserve.train import corpus
+
+MIN_CHARS, MAX_CHARS = 40, 600
+
+
+@dataclass(frozen=True)
+class Opening:
+    prompt: str
+    source: str  # "relative/path.py:LINE"
+
+
+def _openings_of(text: str, rel: str) -> list[Opening]:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    found: list[Opening] = []
+
+    def cut(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef, header: str) -> None:
+        doc = node.body[0] if node.body else None
+        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            return
+        assert doc.end_lineno is not None
+        body = textwrap.dedent("".join(lines[node.lineno - 1 : doc.end_lineno]))
+        prompt = header + (textwrap.indent(body, "    ") if header else body)
+        if MIN_CHARS <= len(prompt) <= MAX_CHARS and prompt.isascii():
+            found.append(Opening(prompt if prompt.endswith("\n") else prompt + "\n", f"{rel}:{node.lineno}"))
+
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            cut(node, "")
+        elif isinstance(node, ast.ClassDef):
+            cut(node, "")
+            head = lines[node.lineno - 1].rstrip() + "\n"
+            for sub in node.body:
+                if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and not sub.name.startswith("__"):
+                    cut(sub, head + "\n")
+    return found
+
+
+def _stable(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _clashes(prompt: str, evaluation: list[str]) -> bool:
+    return any(prompt in e or e in prompt for e in evaluation)
+
+
+def evaluation_texts() -> list[str]:
+    tasks: list[Task] = load_suite("coding10") + load_suite("heldout-code")
+    texts = [t.prompt for t in tasks if t.prompt]
+    texts += [str(m.get("content", "")) for t in tasks for m in (t.messages or [])]
+    return [t for t in texts if t.strip()]
+
+
+def build_openings(count: int) -> list[Opening]:
+    """`count` openings, one per file at most, from the training split of the standard library."""
+    if count < 1:
+        raise ValueError(f"--count must be at least 1, got {count}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    evaluation = evaluation_texts()
+    per_file: list[tuple[str, Opening]] = []
+    for path in corpus.stdlib_files():
+        rel = str(path.relative_to(root))
+        if corpus.is_validation(path) or any(p in ("test", "tests", "idle_test") for p in path.parts):
+            continue
+        text = corpus.read_text(path)
+        candidates = [o for o in _openings_of(text or "", rel) if not _clashes(o.prompt, evaluation)]
+        if candidates:
+            per_file.append((_stable(rel), min(candidates, key=lambda o: _stable(o.source))))
+    per_file.sort(key=lambda kv: kv[0])
+    chosen = [o for _, o in per_file[:count]]
+    if len(chosen) < count:
+        raise ValueError(f"--count {count}: the standard library here yields only {len(chosen)} openings")
+    return sorted(chosen, key=lambda o: o.source)
+
+
+def write_jsonl(openings: list[Opening], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w") as fh:
+        for o in openings:
+            fh.write(json.dumps({"prompt": o.prompt, "source": o.source}) + "\n")
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specserve.train.prompts", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--count", type=int, default=320)
+    a = p.parse_args(argv)
+    openings = build_openings(a.count)
+    write_jsonl(openings, a.out)
+    print(json.dumps({"out": str(a.out), "prompts": len(openings), "chars": sum(len(o.prompt) for o in openings)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

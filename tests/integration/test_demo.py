@@ -1,0 +1,72 @@
+"""The bundled demo model: loads by name, matches transformers, and every drafter is exact on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.bench.suites import coding_prompts, load_suite
+from specserve.cli import main
+from specserve.config import SpeculativeConfig
+from specserve.engine.llm import LLM
+from specserve.engine.plain import generate_plain
+from specserve.models.loader import resolve_model_path
+from specserve.spec.decode import generate_speculative
+from specserve.spec.dflash_model import init_random_dflash
+from specserve.spec.eagle3_model import init_random_eagle3
+from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.types import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def demo() -> LLM:
+    return LLM("demo", device="cpu", dtype="float32")
+
+
+def test_demo_is_bundled_small_and_documented() -> None:
+    d = resolve_model_path("demo")
+    assert (d / "MODEL_CARD.md").exists()
+    assert sum(f.stat().st_size for f in d.iterdir()) < 40e6
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_cli_greedy_equals_transformers_generate(capsys: pytest.CaptureFixture[str], demo: LLM) -> None:
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(demo.model_dir, dtype=torch.float32).eval()
+    for _, prompt in coding_prompts()[:4]:
+        code = main(["generate", "--model", "demo", "--prompt", prompt, "--max-new-tokens", "48",
+                     "--dtype", "float32", "--ignore-eos", "--json", "--device", "cpu"])
+        assert code == 0
+        ours = json.loads(capsys.readouterr().out)["token_ids"]
+        ids = demo.encode(prompt)
+        with torch.inference_mode():
+            out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=48, min_new_tokens=48,
+                               pad_token_id=0)
+        assert ours == out[0, len(ids):].tolist()
+
+
+def test_every_drafter_is_exact_on_the_demo(demo: LLM, tmp_path: Path) -> None:
+    prompts = [demo.encode(p) for _, p in coding_prompts()]
+    prompts += [demo.encode(t.prompt or "") for t in load_suite("heldout-code")[:10]]
+    assert len(prompts) >= 20
+    init_random_dflash(demo.config, tmp_path / "dflash", seed=0, block_size=16,
+                       mask_token_id=demo.tokenizer.token_to_id("<|mask|>"))
+    init_random_eagle3(demo.config, tmp_path / "eagle3", seed=0)
+    specs = [
+        SpeculativeConfig.resolve("NGRAM"),
+        SpeculativeConfig.resolve("DFLASH", str(tmp_path / "dflash"), dflash_block_size=16),
+        SpeculativeConfig.resolve("EAGLE3", str(tmp_path / "eagle3"), eagle_topk=2, num_steps=3,
+                                  num_draft_tokens=6),
+    ]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = [generate_plain(demo.model, [p], params, demo.eos_ids)[0].token_ids for p in prompts]
+    for spec in specs:
+        b = DrafterBuilder(plan_drafter(spec, demo.config), demo.model, demo.device, demo.dtype)
+        for p, w in zip(prompts, want, strict=True):
+            got = generate_speculative(demo.model, b.for_request, p, params, demo.eos_ids, b.max_tree_nodes)
+            assert got.token_ids == w, spec.algorithm

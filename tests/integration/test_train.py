@@ -1,0 +1,259 @@
+"""Drafter training end to end on a tiny target: prepare -> train (EAGLE-3, DFlash) -> resume after SIGKILL,
+two-process DDP, export -> load round trip, and the errors users meet first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specserve.engine.plain import generate_plain
+from specserve.models.llama import CausalLM
+from specserve.models.loader import load_config, load_model
+from specserve.spec.dflash_model import init_random_dflash, load_dflash
+from specserve.spec.eagle3_model import Eagle3Model, init_random_eagle3, load_eagle3
+from specserve.tokenizer import Tokenizer
+from specserve.train.cli import add_train_parsers, main, run_training
+from specserve.train.data import BUNDLED_PROMPTS, read_prompts, read_shard
+from specserve.train.prompts import evaluation_texts
+from specserve.types import SamplingParams
+
+CPU = torch.device("cpu")
+PROMPTS = ["def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "import os\n\n\ndef walk(path):\n",
+           "def parse(text):\n    \"\"\"Split text into words.\"\"\"\n", "for i in range(10):\n",
+           "def is_prime(n):\n", "class Point:\n    def __init__(self, x, y):\n", "with open(path) as f:\n",
+           "def reverse(items):\n"]
+SMALL = ["--batch-size", "2", "--max-len", "48", "--device", "cpu", "--no-progress", "--log-every", "1"]
+DFLASH = ["--block-size", "4", "--anchors-per-seq", "6", "--num-layers", "1"]
+EAGLE = ["--ttt-steps", "3", "--draft-vocab-size", "200"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
+    root = tmp_path_factory.mktemp("train-data")
+    lines = [json.dumps({"prompt": p}) for p in PROMPTS]
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "Write a sort function."}]}))
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["prepare", "--target", str(tiny_dir), "--prompts", str(root / "prompts.jsonl"), "--out",
+                 str(root / "data"), "--max-new-tokens", "16", "--batch-size", "4", "--shard-size", "4",
+                 "--device", "cpu", "--dtype", "float32"]) == 0
+    return root / "data"
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_train_parsers(parser.add_subparsers(dest="command"))
+    return parser.parse_args(list(argv))
+
+
+def test_prepare_writes_target_samples(data_dir: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["sequences"] == 10 and meta["vocab_size"] == 320 and len(meta["shards"]) == 3
+    examples = [e for name in meta["shards"] for e in read_shard(data_dir / name)]
+    tok = Tokenizer(tiny_dir)
+    assert examples[0].tokens[: examples[0].prompt_len].tolist() == tok.encode(PROMPTS[0])
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a sort function."}]))
+    assert examples[-1].tokens[: examples[-1].prompt_len].tolist() == chat
+    assert all(1 <= e.response_len <= 16 for e in examples)
+    # rerun with the same settings: finished shards are kept as they are; other settings are refused
+    before = [(data_dir / n).stat().st_mtime_ns for n in meta["shards"]]
+    argv = ["prepare", "--target", str(tiny_dir), "--prompts", str(data_dir.parent / "prompts.jsonl"), "--out",
+            str(data_dir), "--max-new-tokens", "16", "--batch-size", "4", "--shard-size", "4", "--device", "cpu",
+            "--dtype", "float32"]
+    assert main(argv) == 0
+    assert [(data_dir / n).stat().st_mtime_ns for n in meta["shards"]] == before
+    capsys.readouterr()
+    assert main([*argv, "--temperature", "0.5"]) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_greedy_prepare_stores_the_targets_own_continuation(tiny_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": PROMPTS[5]}) + "\n")
+    assert main(["prepare", "--target", str(tiny_dir), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "d"), "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    [ex] = read_shard(tmp_path / "d" / "shard-00000.npz")
+    model, cfg, _ = load_model(tiny_dir, CPU, torch.float32)
+    assert isinstance(model, CausalLM)
+    prompt = ex.tokens[: ex.prompt_len].tolist()
+    [res] = generate_plain(model, [prompt], SamplingParams(max_new_tokens=12), cfg.eos_token_ids)
+    assert ex.tokens[ex.prompt_len :].tolist() == res.token_ids
+
+
+def test_bundled_prompts_are_stdlib_openings_not_evaluation_prompts() -> None:
+    prompts = read_prompts(BUNDLED_PROMPTS)
+    assert 200 <= len(prompts) <= 500 and BUNDLED_PROMPTS.stat().st_size < 150_000
+    texts = [p.text or "" for p in prompts]
+    assert all(t.lstrip().startswith(("def ", "class ", "async def ")) for t in texts)
+    evaluation = evaluation_texts()
+    assert len(evaluation) >= 10
+    assert not [t for t in texts for e in evaluation if t in e or e in t]
+    sources = [json.loads(line)["source"] for line in BUNDLED_PROMPTS.read_text().splitlines()]
+    assert len({s.split(":")[0] for s in sources}) == len(sources)  # one opening per stdlib file
+
+
+def test_malformed_prompts_file_is_an_error_naming_the_line(tiny_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "def f():"}\n{"prompt": 3}\n{"prompt": "x"}\n')
+    assert main(["prepare", "--target", str(tiny_dir), "--prompts", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{bad}:2:" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_target_drafter_and_data_mismatches_stop_before_training(
+        data_dir: Path, tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import replace
+
+    other = replace(load_config(tiny_dir), hidden_size=32, head_dim=8, num_attention_heads=4)
+    init_random_eagle3(other, tmp_path / "e3")
+    init_random_dflash(other, tmp_path / "df", block_size=4, mask_token_id=3)
+    common = ["--target", str(tiny_dir), "--data", str(data_dir), "--steps", "2", *SMALL]
+    for kind, path, needle in (("eagle3", "e3", "target_hidden_size 32"), ("dflash", "df", "hidden_size 32")):
+        out = tmp_path / f"run-{kind}"
+        assert main([kind, *common, "--out", str(out), "--init-from", str(tmp_path / path)]) == 2
+        assert needle in capsys.readouterr().err
+        assert not (out / "checkpoint.pt").exists()
+    wrong = tmp_path / "data"
+    shutil.copytree(data_dir, wrong)
+    meta = json.loads((wrong / "meta.json").read_text())
+    (wrong / "meta.json").write_text(json.dumps({**meta, "vocab_size": 384}))
+    assert main(["eagle3", *common[:2], "--data", str(wrong), *common[4:], "--out", str(tmp_path / "r")]) == 2
+    assert "vocab_size 384" in capsys.readouterr().err
+
+
+KILL_AT_STEP_5 = """
+import os, signal, sys
+from specserve.train import trainer
+log = trainer.Trainer._log
+def log_then_die(self, record):
+    log(self, record)
+    if record.get("step") == 5:  # after the step-4 checkpoint, mid-interval
+        os.kill(os.getpid(), signal.SIGKILL)
+trainer.Trainer._log = log_then_die
+from specserve.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(data_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    """Exact: bitwise-equal weights (same process setup, deterministic CPU kernels, one thread)."""
+    def argv(out: str) -> list[str]:
+        return ["dflash", "--target", str(tiny_dir), "--data", str(data_dir), "--out", str(tmp_path / out),
+                "--steps", "6", "--save-every", "2", "--lr", "3e-3", *SMALL, *DFLASH]
+
+    run = [sys.executable, "-m", "specserve.train.cli"]
+    subprocess.run([*run, *argv("full")], env=ENV, check=True, capture_output=True)
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_5, *argv("killed")], env=ENV, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+    assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["step"] == 4
+    subprocess.run([*run, *argv("killed"), "--resume"], env=ENV, check=True, capture_output=True)
+    full, resumed = (load_file(tmp_path / d / "drafter" / "model.safetensors") for d in ("full", "killed"))
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+    logs = [[json.loads(x) for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()]
+            for d in ("full", "killed")]
+    assert [r["step"] for r in logs[1]] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
+    assert logs[0][0]["loss"] > logs[0][-1]["loss"]
+
+
+DDP_SCRIPT = """
+import argparse, sys, torch
+from specserve.train import cli, distributed
+seen = []
+nxt = distributed.Batcher.next
+def record(self):
+    seen.append(nxt(self))
+    return seen[-1]
+distributed.Batcher.next = record
+p = argparse.ArgumentParser()
+cli.add_train_parsers(p.add_subparsers(dest="command"))
+a = p.parse_args(sys.argv[1:])
+t, summary = cli.run_training(a.command, a)
+torch.save({"weights": t.objective.drafter.state_dict(), "seen": seen}, a.out / f"rank{t.ctx.rank}.pt")
+"""
+
+
+def test_two_process_ddp_keeps_ranks_identical(data_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(tmp_path / "ddp.py"), "eagle3", "--target", str(tiny_dir), "--data", str(data_dir),
+                    "--out", str(out), "--steps", "2", "--lr", "3e-3", *SMALL, *EAGLE],
+                   env=ENV, check=True, capture_output=True, cwd=tmp_path)
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    for a, b in zip(r0["seen"], r1["seen"], strict=True):
+        assert len(a) == len(b) == 2 and not set(a) & set(b)  # each rank trained on its own slice
+    saved = load_file(out / "drafter" / "model.safetensors")
+    assert torch.equal(saved["fc.weight"], r0["weights"]["fc.weight"])
+    assert json.loads((out / "train_summary.json").read_text())["processes"] == 2
+
+
+def _probe_eagle(model: Eagle3Model) -> torch.Tensor:
+    dtype = model.fc.weight.dtype
+    gen = torch.Generator().manual_seed(0)
+    emb, states = torch.randn(1, 5, 64, generator=gen).to(dtype), torch.randn(1, 5, 192, generator=gen).to(dtype)
+    with torch.no_grad():
+        return model.draft_logits(model(emb, model.project(states), torch.arange(5)[None]))
+
+
+def test_eagle3_run_with_evaluation_exports_and_round_trips(data_dir: Path, tiny_dir: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    ref = tmp_path / "ref"
+    init_random_eagle3(load_config(tiny_dir), ref, seed=9)
+    a = _parse("eagle3", "--target", str(tiny_dir), "--data", str(data_dir), "--out", str(tmp_path / "run"),
+               "--steps", "2", "--eval-every", "2", "--eval-prompts", "2", "--eval-max-new-tokens", "8",
+               "--reference-draft", str(ref), *SMALL, *EAGLE)
+    trainer, summary = run_training("eagle3", a)
+    assert {"accept_length", "percent_of_reference", "loop_4gram"} <= summary["last_eval"].keys()
+    assert summary["last_eval"]["accept_length"] >= 1.0
+    assert set(summary["time_share"]) == {"target", "drafter_fwd", "drafter_bwd"}
+    trained = trainer.objective.drafter.eval()
+    tcfg = load_config(tiny_dir)
+    for fmt, dtype in (("sglang", "float32"), ("vllm", "bfloat16")):
+        out = tmp_path / fmt
+        assert main(["export", "--drafter", str(tmp_path / "run"), "--target", str(tiny_dir), "--format", fmt,
+                     "--out", str(out), "--dtype", dtype]) == 0
+        raw = json.loads((out / "config.json").read_text())
+        assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 200
+        assert "final loss" in (out / "README.md").read_text()
+        back = load_eagle3(out, tcfg, CPU, getattr(torch, dtype))
+        want = _probe_eagle(trained.to(getattr(torch, dtype)))
+        assert torch.equal(_probe_eagle(back), want)
+        assert torch.equal(back.d2t, trained.d2t)
+    capsys.readouterr()
+    assert main(["export", "--drafter", str(tmp_path / "run"), "--target", str(tiny_dir), "--format", "dflash",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--format sglang or vllm" in capsys.readouterr().err
+
+
+def test_dflash_export_round_trips(data_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    a = _parse("dflash", "--target", str(tiny_dir), "--data", str(data_dir), "--out", str(tmp_path / "run"),
+               "--steps", "2", *SMALL, *DFLASH)
+    trainer, _ = run_training("dflash", a)
+    trained = trainer.objective.drafter.eval()
+    assert main(["export", "--drafter", str(tmp_path / "run" / "drafter"), "--target", str(tiny_dir),
+                 "--format", "dflash", "--out", str(tmp_path / "exp"), "--dtype", "float32"]) == 0
+    back = load_dflash(tmp_path / "exp", load_config(tiny_dir), CPU, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    feats, noise = torch.randn(1, 6, 64, generator=gen), torch.randn(1, 4, 64, generator=gen)
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        got, want = (m(noise, pos[:, 6:], m.context_kv(feats, pos[:, :6])) for m in (back, trained))
+    assert torch.equal(got, want)
+    raw = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["dflash_config"]["mask_token_id"] == 3
+    assert np.isfinite(json.loads((tmp_path / "run" / "train_summary.json").read_text())["final_loss"])
