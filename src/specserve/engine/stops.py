@@ -53,15 +53,20 @@ class StopChecker:
         return taken
 
     def _stop_string_hit(self) -> bool:
+        """Look for a stop string in the text of the last few tokens (a token decodes to at least a
+        fraction of a character, so 4 tokens per character cover any stop string); on a hit, find its
+        exact offset in the full text once."""
         assert self.decode is not None
+        longest = max(len(s) for s in self.params.stop)
+        tail = self.decode(self.tokens[-(4 * longest + 8):])
+        if not any(s in tail for s in self.params.stop):
+            return False
         text = self.decode(self.tokens)
-        window = max(len(s) for s in self.params.stop) + 16
-        start = max(0, len(text) - window)
-        hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
-        if hits:
-            self.stop_text_at = min(hits)
-            return True
-        return False
+        hits = [i for s in self.params.stop if (i := text.find(s)) >= 0]
+        if not hits:  # the tail decoded differently from the full text (a split character): not a hit
+            return False
+        self.stop_text_at = min(hits)
+        return True
 
     def text(self) -> str:
         if self.decode is None:
