@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, bench, train, train-target."""
+"""`specserve` command line: generate, serve, bench, train, deploy, train-target."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from specserve.cli_args import (
     sampling_from_args,
     speculative_from_args,
 )
+from specserve.deploy.cli import add_deploy_parsers
 from specserve.server.cli import add_serve_parser
 from specserve.train.cli import add_train_parsers
 
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="drafter training: prepare data, EAGLE-3, DFlash, export")
     add_train_parsers(tr.add_subparsers(dest="train_command", required=True))
+
+    d = sub.add_parser("deploy", help="freeze a measured configuration into a service; export to SGLang/vLLM")
+    add_deploy_parsers(d.add_subparsers(dest="deploy_command", required=True))
 
     b = sub.add_parser("bench", help="benchmarks: serving sweeps, acceptance per task, comparisons")
     bench_sub = b.add_subparsers(dest="bench_command", required=True)

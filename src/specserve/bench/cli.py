@@ -34,7 +34,7 @@ def _concurrency_list(text: str) -> list[int]:
 
 
 def add_bench_parsers(subparsers: Any) -> None:
-    """Adds `serving` and `compare` to the `specserve bench` subparsers (an argparse _SubParsersAction)."""
+    """Adds `serving`, `compare` and `tune` to the `specserve bench` subparsers (an argparse _SubParsersAction)."""
     s = subparsers.add_parser("serving", help="concurrency sweep against an OpenAI-compatible server")
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000 (a trailing /v1 is accepted)")
     s.add_argument("--model", required=True, help="model name the server serves (see GET /v1/models)")
@@ -62,6 +62,28 @@ def add_bench_parsers(subparsers: Any) -> None:
     c.add_argument("--out", required=True, type=Path, help="markdown report to write")
     c.add_argument("--plot", type=Path, default=None, help="PNG to write")
     c.set_defaults(func=cmd_compare)
+
+    from specserve.bench.tune import cmd_tune  # here, not at the top: tune imports this module
+
+    t = subparsers.add_parser("tune", help="serve each grid configuration, sweep it, name the winner per concurrency")
+    t.add_argument("--model", default="demo", help="`demo` or a checkpoint directory (served and benchmarked)")
+    t.add_argument("--device", default="auto", help="the servers' --device")
+    t.add_argument("--dtype", default="auto", help="the servers' --dtype")
+    t.add_argument("--grid", required=True,
+                   help='e.g. "EAGLE3:steps=3,5;topk=1,4;draft=4,8 DFLASH:tree=ddtree;draft=8,16 NGRAM:draft=8,12 '
+                        'NONE"; keys steps, topk, draft, block, tree, path; NONE is always the baseline')
+    t.add_argument("--concurrency", type=_concurrency_list, default=[1, 8, 32], help="levels, e.g. 1,8,32")
+    t.add_argument("--num-prompts", type=int, default=64, help="requests sent at every level")
+    t.add_argument("--dataset", default="coding", help="coding | random | FILE.jsonl")
+    t.add_argument("--random-input-len", type=int, default=128, help="words per prompt of --dataset random")
+    t.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
+    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--seed", type=int, default=None, help="shuffles the dataset and is sent as the sampling seed")
+    t.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens")
+    t.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server gets to answer /health")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--out-dir", required=True, type=Path, help="run JSONs, server logs, tune.json and tune.md")
+    t.set_defaults(func=cmd_tune)
 
 
 def _error(message: str) -> int:

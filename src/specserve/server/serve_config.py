@@ -12,6 +12,7 @@ go through the same argparse types and choices as flags.
 from __future__ import annotations
 
 import argparse
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -20,6 +21,7 @@ import yaml
 
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import SpeculativeConfig
+from specserve.models.loader import resolve_model_path
 from specserve.server.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -127,7 +129,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def parse_config_file(path: str | Path) -> dict[str, Any]:
     """dest -> value for the keys of the file, converted and checked as the flags would be."""
-    entries = read_config_file(path)
+    entries = {k: v for k, v in read_config_file(path).items() if k.replace("-", "_") not in FROZEN_KEYS}
     parser = _file_parser()
     dests = set(vars(parser.parse_args([]))) - {"config"}
     tokens: list[str] = []
@@ -157,8 +159,62 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         merged.update(parse_config_file(config_path))
         merged.update(given)
     ns = argparse.Namespace(**merged)
-    return ServeConfig(
+    cfg = ServeConfig(
         model=ns.model, device=ns.device, dtype=ns.dtype, host=ns.host, port=ns.port, api_key=ns.api_key,
         max_queue=ns.max_queue, served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
         shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level, speculative=speculative_from_args(ns),
     )
+    if config_path:
+        check_frozen(config_path, cfg)
+    return cfg
+
+
+# --- Frozen deployments (`specserve deploy freeze`) -----------------------------------------------------------
+# A frozen serve.yaml also carries `model-sha256` and `drafter-sha256`: {file path relative to the checkpoint
+# directory: sha256}. They are not flags. Before anything is loaded, the files of the model (and drafter) the
+# configuration resolves to must hash exactly to them, or the server refuses to start.
+FROZEN_KEYS = ("model_sha256", "drafter_sha256")
+
+
+def checkpoint_sha256(directory: Path) -> dict[str, str]:
+    """sha256 of every file under a checkpoint directory (hidden files and folders and *.md documentation skipped)."""
+    out: dict[str, str] = {}
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory)
+        if not path.is_file() or path.suffix == ".md" or any(part.startswith(".") for part in rel.parts):
+            continue
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        out[rel.as_posix()] = digest.hexdigest()
+    return out
+
+
+def check_frozen(path: str | Path, cfg: ServeConfig) -> None:
+    """Refuse (ValueError) when the checkpoints `cfg` resolves to differ from the hashes frozen in the file."""
+    raw = {k.replace("-", "_"): v for k, v in read_config_file(path).items()}
+    if not any(key in raw for key in FROZEN_KEYS):
+        return
+    draft = cfg.speculative.draft_model_path
+    for key, what, name in (("model_sha256", "model", cfg.model), ("drafter_sha256", "drafter", draft)):
+        expected = raw.get(key)
+        if expected is None and name is None:
+            continue
+        if expected is None or name is None:
+            state = f"without a {what} hash" if expected is None else "with a drafter, but none is configured now"
+            raise ValueError(f"--config {path}: this configuration was frozen {state}; run `specserve deploy "
+                             "freeze` again for the configuration you want to serve")
+        if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+            raise ValueError(f"--config {path}: {key} must map file names to sha256 hex digests")
+        directory = resolve_model_path(name)
+        found = checkpoint_sha256(directory)
+        changed = sorted(f for f in expected if f in found and found[f] != expected[f])
+        missing = sorted(f for f in expected if f not in found)
+        added = sorted(f for f in found if f not in expected)
+        if changed or missing or added:
+            parts = [f"{label}: {', '.join(files)}" for label, files in
+                     (("changed", changed), ("missing", missing), ("new", added)) if files]
+            raise ValueError(f"--config {path}: refusing to start: the {what} checkpoint {directory} differs from "
+                             f"the frozen one ({'; '.join(parts)}). Restore the frozen files, or run "
+                             "`specserve deploy freeze` again to deploy the new checkpoint.")

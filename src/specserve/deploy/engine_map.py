@@ -1,0 +1,210 @@
+"""A specserve serve configuration as SGLang or vLLM launch arguments: every flag is either mapped (with
+the engine arguments it became, possibly none when the engine's default is the same thing) or listed as
+unmapped with the reason. The result passes `known_flags.check_command` or is not produced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from specserve.deploy.known_flags import EngineFlags, check_command
+from specserve.server.serve_config import ServeConfig
+
+API_KEY_REF = "$API_KEY"  # expanded by the launch script from the unit's EnvironmentFile
+DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# specserve parser -> the engine's parser for the same output format (Hermes-style <tool_call> JSON for Qwen)
+TOOL_PARSERS = {"sglang": {"hermes": "hermes", "qwen25": "qwen25", "qwen3": "qwen25", "kimi_k2": "kimi_k2"},
+                "vllm": {"hermes": "hermes", "qwen25": "hermes", "qwen3": "hermes", "kimi_k2": "kimi_k2"}}
+
+
+@dataclass(frozen=True)
+class Mapped:
+    flag: str  # the specserve flag (or export option)
+    value: str
+    engine_args: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    flag: str
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    engine: str
+    argv: tuple[str, ...]  # launcher words + arguments; the API key appears as API_KEY_REF
+    mapped: tuple[Mapped, ...]
+    unmapped: tuple[Unmapped, ...]
+    env: tuple[tuple[str, str], ...]  # extra environment for the unit's EnvironmentFile
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.args: list[str] = []
+        self.mapped: list[Mapped] = []
+        self.unmapped: list[Unmapped] = []
+        self.env: list[tuple[str, str]] = []
+
+    def map(self, flag: str, value: object, *args: str, note: str = "") -> None:
+        self.args += args
+        self.mapped.append(Mapped(flag, str(value), tuple(args), note))
+
+    def skip(self, flag: str, value: object, reason: str) -> None:
+        self.unmapped.append(Unmapped(flag, str(value), reason))
+
+
+def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter_path: str | None, tp: int = 1,
+                  hierarchical_cache: bool = False) -> EngineCommand:
+    engine = known.engine
+    b = _Builder()
+    sglang = engine == "sglang"
+    if sglang:
+        b.map("--model", cfg.model, "--model-path", model_path)
+    else:
+        b.map("--model", cfg.model, note="positional MODEL of `vllm serve`")
+    b.map("--host", cfg.host, "--host", cfg.host)
+    b.map("--port", cfg.port, "--port", str(cfg.port))
+    b.map("--served-model-name", cfg.model_name, "--served-model-name", cfg.model_name,
+          note="keeps the model name clients already send")
+    if cfg.api_key:
+        b.map("--api-key", "(secret)", "--api-key", API_KEY_REF, note="from API_KEY in the environment file")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype!r} has no {engine} equivalent; use one of {', '.join(DTYPES)}")
+    b.map("--dtype", cfg.dtype, "--dtype", DTYPES[cfg.dtype])
+    _device(b, cfg.device, sglang)
+    if cfg.tool_call_parser:
+        parser = TOOL_PARSERS[engine][cfg.tool_call_parser]
+        extra = () if sglang else ("--enable-auto-tool-choice",)
+        b.map("--tool-call-parser", cfg.tool_call_parser, *extra, "--tool-call-parser", parser)
+    if sglang:
+        b.map("--log-level", cfg.log_level, "--log-level", cfg.log_level)
+        b.map("--max-queue", cfg.max_queue, "--max-queued-requests", str(cfg.max_queue))
+        b.skip("--shutdown-timeout", cfg.shutdown_timeout, "SGLang has no drain-timeout flag; the unit's "
+               "TimeoutStopSec gives in-flight requests the same time before SIGKILL")
+    else:
+        b.map("--log-level", cfg.log_level, "--uvicorn-log-level", cfg.log_level,
+              note="HTTP server logs; engine logs follow VLLM_LOGGING_LEVEL in the environment file")
+        b.env.append(("VLLM_LOGGING_LEVEL", cfg.log_level.upper()))
+        b.skip("--max-queue", cfg.max_queue, "vLLM does not bound waiting requests (--max-num-seqs bounds running "
+               "ones, a different limit); put a limit in front of it (router/proxy) if you relied on 503s")
+        b.map("--shutdown-timeout", cfg.shutdown_timeout, "--shutdown-timeout",
+              str(math.ceil(cfg.shutdown_timeout)), note="whole seconds")
+    if tp > 1:
+        b.map("--tp (export option)", tp, "--tp-size" if sglang else "--tensor-parallel-size", str(tp))
+    if hierarchical_cache:
+        if sglang:
+            b.map("--hierarchical-cache (export option)", True, "--enable-hierarchical-cache")
+        else:
+            b.skip("--hierarchical-cache (export option)", True, "vLLM has no hierarchical prefix cache flag in the "
+                   "checked arguments; its CPU KV offloading is a different mechanism and is not exported")
+    (_sglang_spec if sglang else _vllm_spec)(b, cfg, drafter_path)
+    argv = (*known.launcher, *(() if sglang else (model_path,)), *b.args)
+    check_command(known, list(argv))
+    return EngineCommand(engine, argv, tuple(b.mapped), tuple(b.unmapped), tuple(b.env))
+
+
+def _device(b: _Builder, device: str, sglang: bool) -> None:
+    if device == "auto":
+        b.map("--device", device, note="engine default (the GPU platform)")
+        return
+    kind, _, index = device.partition(":")
+    if index:
+        b.env.append(("CUDA_VISIBLE_DEVICES", index))
+    if sglang:
+        b.map("--device", device, "--device", kind, note=f"GPU {index} via CUDA_VISIBLE_DEVICES" if index else "")
+    elif kind == "cuda":
+        b.map("--device", device, note=f"GPU {index} via CUDA_VISIBLE_DEVICES" if index else "vLLM default")
+    else:
+        b.skip("--device", device, "vLLM selects its platform from the installed build, not from a flag")
+
+
+def _sglang_spec(b: _Builder, cfg: ServeConfig, drafter: str | None) -> None:
+    s = cfg.speculative
+    if not s.enabled:
+        b.map("--speculative-algorithm", "NONE", note="plain decoding: no speculative flags")
+        return
+    b.map("--speculative-algorithm", s.algorithm, "--speculative-algorithm", s.algorithm)
+    if s.algorithm == "NGRAM":
+        b.map("--speculative-num-draft-tokens", s.num_draft_tokens, "--speculative-num-draft-tokens",
+              str(s.num_draft_tokens))
+        b.map("--speculative-ngram-max-breadth", s.ngram_max_breadth, "--speculative-ngram-max-bfs-breadth",
+              str(s.ngram_max_breadth))
+        b.map("--speculative-ngram-max-match", s.ngram_max_match, "--speculative-ngram-max-trie-depth",
+              str(s.ngram_max_match), note="longest suffix stored and matched")
+        b.skip("--speculative-ngram-min-match", s.ngram_min_match,
+               "SGLang matches every suffix length up to the trie depth; there is no minimum")
+        b.skip("--speculative-num-steps", s.num_steps, "SGLang's NGRAM takes its depth from the trie, not a flag")
+        if s.tree == "chain":
+            b.skip("--speculative-tree", s.tree, "SGLang's NGRAM always verifies a BFS tree of matches")
+        else:
+            b.map("--speculative-tree", s.tree, note="SGLang's NGRAM verifies a BFS tree of matches")
+        return
+    assert drafter is not None
+    b.map("--speculative-draft-model-path", s.draft_model_path, "--speculative-draft-model-path", drafter)
+    if s.algorithm == "DFLASH":
+        bs = s.dflash_block_size or 16
+        b.map("--speculative-dflash-block-size", bs, "--speculative-dflash-block-size", str(bs))
+        b.map("--speculative-num-steps", s.num_steps, note="DFLASH forces 1")
+        b.map("--speculative-eagle-topk", s.eagle_topk, note="DFLASH forces 1")
+        if s.tree == "ddtree":
+            b.skip("--speculative-tree", s.tree, "SGLang verifies the DFlash block as a chain; DDTree's tree "
+                   "verification has no SGLang flag, so acceptance will be lower than measured here")
+            b.skip("--speculative-num-draft-tokens", s.num_draft_tokens, "the DDTree node budget has no SGLang "
+                   "equivalent (DFLASH verifies the block)")
+        elif s.num_draft_tokens != bs:
+            b.skip("--speculative-num-draft-tokens", s.num_draft_tokens, f"SGLang verifies the whole block "
+                   f"({bs}); a narrower verify width is not a flag")
+        else:
+            b.map("--speculative-num-draft-tokens", s.num_draft_tokens, note="= the block size")
+        return
+    b.map("--speculative-num-steps", s.num_steps, "--speculative-num-steps", str(s.num_steps))
+    b.map("--speculative-eagle-topk", s.eagle_topk, "--speculative-eagle-topk", str(s.eagle_topk))
+    b.map("--speculative-num-draft-tokens", s.num_draft_tokens, "--speculative-num-draft-tokens",
+          str(s.num_draft_tokens))
+    b.map("--speculative-tree", s.tree, note="implied by --speculative-eagle-topk (1 = chain)")
+
+
+def _vllm_spec(b: _Builder, cfg: ServeConfig, drafter: str | None) -> None:
+    s = cfg.speculative
+    if not s.enabled:
+        b.map("--speculative-algorithm", "NONE", note="plain decoding: no --speculative-config")
+        return
+    chain_only = "vLLM drafts a chain only"
+    spec: dict[str, object]
+    if s.algorithm == "NGRAM":
+        spec = {"method": "ngram", "num_speculative_tokens": s.num_steps,
+                "prompt_lookup_min": s.ngram_min_match, "prompt_lookup_max": s.ngram_max_match}
+        b.map("--speculative-ngram-min-match", s.ngram_min_match, note="prompt_lookup_min")
+        b.map("--speculative-ngram-max-match", s.ngram_max_match, note="prompt_lookup_max")
+        b.map("--speculative-num-steps", s.num_steps, note="num_speculative_tokens (chain length)")
+        b.skip("--speculative-ngram-max-breadth", s.ngram_max_breadth, f"{chain_only}: one match, no tree")
+    else:
+        assert drafter is not None
+        method = {"STANDALONE": "draft_model", "EAGLE3": "eagle3", "DFLASH": "dflash"}[s.algorithm]
+        if s.algorithm == "DFLASH":
+            bs = s.dflash_block_size or 16
+            k = (s.num_draft_tokens if s.tree == "chain" else bs) - 1
+            b.map("--speculative-dflash-block-size", bs, note=f"num_speculative_tokens {k} (block minus the root)")
+        else:
+            k = s.num_steps
+            b.map("--speculative-num-steps", s.num_steps, note="num_speculative_tokens (chain length)")
+        spec = {"method": method, "model": drafter, "num_speculative_tokens": k}
+        b.map("--speculative-draft-model-path", s.draft_model_path, note="model (the exported drafter)")
+    b.map("--speculative-algorithm", s.algorithm, "--speculative-config", json.dumps(spec, separators=(",", ":")),
+          note=f"method {spec['method']}")
+    width = int(str(spec["num_speculative_tokens"])) + 1
+    if s.tree != "chain":
+        b.skip("--speculative-tree", s.tree, f"{chain_only}: the {s.tree} tree is not reproduced")
+        b.skip("--speculative-num-draft-tokens", s.num_draft_tokens,
+               f"{chain_only}: the verify width becomes num_speculative_tokens + 1 = {width}")
+    else:
+        b.map("--speculative-tree", s.tree, note="vLLM's only shape")
+        b.map("--speculative-num-draft-tokens", s.num_draft_tokens, note=f"= num_speculative_tokens + 1 = {width}")
+    if s.eagle_topk > 1:
+        b.skip("--speculative-eagle-topk", s.eagle_topk, f"{chain_only}: no branching")
