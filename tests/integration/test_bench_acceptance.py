@@ -1,0 +1,54 @@
+"""`specserve bench acceptance`: per-task accept length and speedup, same process; custom suites; a reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specserve.bench.acceptance import repeated_ngram_fraction
+from specserve.cli import main
+
+
+def test_repeated_ngram_fraction() -> None:
+    assert repeated_ngram_fraction([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repeated_ngram_fraction([1, 2, 3, 4] * 3) == pytest.approx(5 / 9)
+    assert repeated_ngram_fraction([1, 2]) == 0.0
+
+
+def test_acceptance_on_a_custom_suite_with_a_reference(tmp_path: Path, tiny_dir: Path, tiny_draft_dir: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(
+        json.dumps({"name": "loop", "prompt": "a = 1\nb = 2\na = 1\nb = 2\n"}) + "\n"
+        + json.dumps({"name": "chat", "messages": [{"role": "user", "content": "write fizzbuzz"}]}) + "\n"
+    )
+    out = tmp_path / "acc.json"
+    code = main(["bench", "acceptance", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+                 "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(tiny_draft_dir),
+                 "--speculative-num-steps", "3", "--suite", str(suite), "--max-new-tokens", "16",
+                 "--reference-draft", str(tiny_draft_dir), "--out", str(out)])
+    capsys.readouterr()
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["kind"] == "acceptance"
+    assert [t["name"] for t in report["tasks"]] == ["loop", "chat"]
+    for t in report["tasks"]:
+        assert 1.0 <= t["accept_length"] <= 4.0
+        assert t["new_tokens"] == 16 and t["identical_to_plain"] is True
+        assert t["percent_of_reference"] == pytest.approx(100.0)  # same drafter, same greedy path
+        assert len(t["accept_per_position"]) <= 3
+        assert t["speedup"] == pytest.approx(t["spec_tokens_per_s"] / t["plain_tokens_per_s"], rel=1e-2)
+    s = report["summary"]
+    assert s["identical_to_plain"] == "2/2" and s["percent_of_reference"] == pytest.approx(100.0)
+    assert report["config"]["speculative"]["algorithm"] == "STANDALONE"
+
+
+def test_acceptance_bad_suite_line(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    suite = tmp_path / "bad.jsonl"
+    suite.write_text('{"name": "ok", "prompt": "x"}\n{"name": broken\n')
+    code = main(["bench", "acceptance", "--model", str(tiny_dir), "--speculative-algorithm", "NGRAM",
+                 "--suite", str(suite)])
+    err = capsys.readouterr().err
+    assert code == 2 and "bad.jsonl:2" in err and "Traceback" not in err
