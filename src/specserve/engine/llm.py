@@ -22,10 +22,16 @@ from specserve.types import GenerationResult, SamplingParams
 
 
 def default_dtype(cfg_dtype: str | None, device: torch.device) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on CUDA; on CPU bf16 when the checkpoint is bf16, else fp32."""
+    """`auto`: the checkpoint's dtype on CUDA; float32 on CPU.
+
+    On CPU float32 is the exact mode: a verify forward over many tokens rounds differently from a
+    one-token decode step, and in bf16 that flips near-tie argmaxes often enough that greedy
+    speculative output would drift from plain greedy output (measured on the demo: 3 of 10 coding
+    prompts; see benchmarks/speculative.py --dtype bfloat16). bf16 stays available with --dtype.
+    """
     if device.type == "cuda":
         return parse_dtype(cfg_dtype) if cfg_dtype else torch.bfloat16
-    return torch.bfloat16 if cfg_dtype in ("bfloat16", "bf16") else torch.float32
+    return torch.float32
 
 
 class LLM:

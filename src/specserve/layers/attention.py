@@ -9,9 +9,8 @@ import torch.nn.functional as F
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """q [B, Hq, Q, D], k/v [B, Hkv, K, D], mask [B|1, 1, Q, K] bool or None -> [B, Hq, Q, D]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """q [B, Hq, Q, D], k/v [B, Hkv, K, D], mask [B|1, 1, Q, K] bool or None -> [B, Hq, Q, D].
+
+    Grouped-query attention is passed to SDPA as such (no copies of K/V per query group).
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

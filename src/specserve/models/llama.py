@@ -15,7 +15,7 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.kv.contiguous import KVView
 from specserve.layers.attention import attend
-from specserve.layers.norm import RMSNorm
+from specserve.layers.norm import RMSNorm, rms_norm_rows
 from specserve.layers.rope import RotaryEmbedding, apply_rope
 
 
@@ -50,24 +50,23 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(b, q_len, self.n_heads, self.head_dim)
-        k = k.view(b, q_len, self.n_kv, self.head_dim)
+        heads = self.n_heads + self.n_kv
+        qkv = self.qkv_proj(x).view(b, q_len, heads + self.n_kv, self.head_dim)
+        qk, v = qkv[:, :, :heads], qkv[:, :, heads:]  # [B, Q, Hq+Hkv, D], [B, Q, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, Q, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, Q, D]
-        v = v.view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+            # one norm over q and k heads together (per-row op, so identical to two separate norms)
+            w = torch.cat((self.q_norm.weight.expand(self.n_heads, -1), self.k_norm.weight.expand(self.n_kv, -1)))
+            qk = rms_norm_rows(qk, w, self.q_norm.eps)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, Hq+Hkv, Q, D]
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        v = v.transpose(1, 2)  # [B, Hkv, Q, D]
         if kv is not None:
             k, v = kv.update(layer, k, v)
             mask = kv.mask
             out = attend(q, k, v, mask, self.scale)
         elif mask is None:
-            groups = self.n_heads // self.n_kv
-            k = k.repeat_interleave(groups, dim=1) if groups > 1 else k
-            v = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale,
+                                                 enable_gqa=self.n_heads != self.n_kv)
         else:
             out = attend(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.q_size))
