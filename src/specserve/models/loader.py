@@ -21,9 +21,8 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     if name in BUNDLED:
         path = ASSETS / BUNDLED[name]
         if not (path / "config.json").exists():
-            raise ValueError(
-                f"bundled model {name!r} is not present at {path}; build it with `specserve train-target`"
-            )
+            how = "specserve train-target" if name == "demo" else f"specserve train {name.split('-')[1]}"
+            raise ValueError(f"bundled model {name!r} is not present at {path}; build it with `{how}`")
         return path
     path = Path(name).expanduser()
     if not path.exists():
