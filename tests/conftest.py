@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import select
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +29,26 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A smaller random Qwen3 with the same vocabulary, for STANDALONE drafting."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny-draft"), "Qwen3ForCausalLM", seed=1,
                            num_hidden_layers=1, hidden_size=32, intermediate_size=48, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    """The minimal OpenAI-compatible stub server (tests/stub_openai.py) on a free loopback port; yields its URL."""
+    script = Path(__file__).parent / "stub_openai.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if not line.startswith("READY "):
+            proc.kill()
+            pytest.fail(f"stub server did not start: {line!r} {proc.stderr.read()}")
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

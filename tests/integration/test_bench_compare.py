@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import select
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,29 +12,7 @@ import pytest
 from specserve.bench.cli import main
 from specserve.bench.compare import load_runs, render_report
 
-STUB = Path(__file__).resolve().parents[1] / "stub_openai.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(STUB), "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        if not line.startswith("READY "):
-            proc.kill()
-            pytest.fail(f"stub server did not start: {line!r} {proc.stderr.read()}")
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def serving_run(stub: str, out: Path, **stub_config: Any) -> Path:

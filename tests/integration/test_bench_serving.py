@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import select
 import socket
-import subprocess
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +22,11 @@ from specserve.bench.datasets import CODING_PROMPTS, Prompt
 from specserve.bench.metrics import RequestResult
 from specserve.bench.serving import ServingConfig, run_level, run_sweep, send_request
 
-STUB = Path(__file__).resolve().parents[1] / "stub_openai.py"
 SLACK_MS = 80.0  # scheduling noise allowed above a configured delay
 LEVEL_KEYS = {"concurrency", "num_requests", "completed", "errors", "error_messages", "duration_s", "max_in_flight",
               "request_throughput", "input_throughput", "output_throughput", "total_throughput", "total_input_tokens",
               "total_output_tokens", "token_counts", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "requests",
               "accept_length", "accept_length_source"}
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, str(STUB), "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        if not line.startswith("READY "):
-            proc.kill()
-            pytest.fail(f"stub server did not start: {line!r} {proc.stderr.read()}")
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def configure(url: str, **fields: Any) -> None:
