@@ -66,15 +66,9 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[GenerationResult]:
         ids = [self.encode(p) for p in prompts]
-        decode = self.tokenizer.decode
-        if self.drafter_builder is None:
-            return generate_plain(self.model, ids, params, self.eos_ids, decode)
-        builder = self.drafter_builder
-        return [
-            generate_speculative(self.model, builder.for_request, p, params, self.eos_ids,
-                                 builder.max_tree_nodes, decode)
-            for p in ids
-        ]
+        if self.drafter_builder is None:  # plain decoding batches the prompts
+            return generate_plain(self.model, ids, params, self.eos_ids, self.tokenizer.decode)
+        return [self.generate_one(p, params) for p in ids]
 
     def generate_one(
         self, prompt_ids: list[int], params: SamplingParams,

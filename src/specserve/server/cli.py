@@ -58,16 +58,10 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args))
-    except (ValueError, OSError) as e:
-        print(f"specserve serve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    """`python -m specserve.server.cli ARGS` = `specserve serve ARGS` (same parser, same error handling)."""
+    from specserve.cli import main as specserve_main
+
+    return specserve_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
