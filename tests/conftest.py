@@ -15,7 +15,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_checkpoint
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Tiny models gain nothing from a second thread, and one thread per process keeps the test servers (their own
+# processes) from fighting the test process for the two cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

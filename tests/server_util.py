@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -51,7 +52,9 @@ def start_server(args: Sequence[str], log: Path, timeout: float = 180.0) -> Serv
     cmd = [sys.executable, "-m", "specserve.server.cli", *args, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning"]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        # one torch thread: the tiny test models gain nothing from two, and the test process needs a core too
+        env = {"OMP_NUM_THREADS": "1", **os.environ}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     srv = ServerProcess(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from server_util import free_port, start_server
+from server_util import free_port
 from specserve.bench.cli import main as bench_main
 from specserve.deploy.cli import main as deploy_main
 from specserve.deploy.export import EngineExportConfig, export_engine
@@ -303,30 +303,29 @@ def test_status_reports_an_unreachable_server(capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.slow
 def test_bench_freeze_then_serve_the_frozen_command(tmp_path: Path) -> None:
-    """The whole path on the demo model: serving benches (plain, NGRAM) -> freeze -> the unit's command in the
-    foreground -> /health (the unit's ExecStartPost), a completion, `deploy status`, graceful stop."""
-    runs = {}
-    for name, algo in (("plain", "NONE"), ("ngram", "NGRAM")):
-        srv = start_server(["--model", "demo", "--speculative-algorithm", algo], tmp_path / f"{name}.log")
-        try:
-            runs[name] = tmp_path / f"{name}.json"
-            assert bench_main(["serving", "--base-url", srv.url, "--model", "demo", "--concurrency", "1,2",
-                               "--num-prompts", "2", "--output-len", "8", "--seed", "0", "--no-progress",
-                               "--out", str(runs[name])]) == 0
-        finally:
-            srv.stop()
+    """The whole path on the demo model: `bench tune` (plain vs NGRAM, a server per config, serving benches)
+    -> freeze the winner's config with the tune report -> the unit's command in the foreground -> /health (the
+    unit's ExecStartPost), a completion, `deploy status`, graceful stop."""
+    tune_dir = tmp_path / "tune"
+    assert bench_main(["tune", "--model", "demo", "--grid", "NONE NGRAM", "--concurrency", "1,2",
+                       "--num-prompts", "2", "--output-len", "8", "--seed", "0", "--server-timeout", "180",
+                       "--no-progress", "--out-dir", str(tune_dir)]) == 0
+    report = json.loads((tune_dir / "tune.json").read_text())
+    runs = {c["name"]: tune_dir / c["run"] for c in report["configs"]}
+    assert set(runs) == {"NONE", "NGRAM"}
     port = free_port()
     cfg = write_yaml(tmp_path / "serve.yaml", model="demo", speculative_algorithm="NGRAM", port=port,
                      api_key="k3y", shutdown_timeout=5)
     out = tmp_path / "deploy"
-    assert deploy_main(["freeze", "--config", str(cfg), "--out", str(out), "--bench", str(runs["ngram"]),
-                        "--bench", str(runs["plain"])]) == 0
+    assert deploy_main(["freeze", "--config", str(cfg), "--out", str(out), "--bench", str(tune_dir / "tune.json")]) == 0
     doc = (out / "production.md").read_text()
-    spec_levels = {lv["concurrency"]: lv for lv in json.loads(runs["ngram"].read_text())["levels"]}
-    plain_levels = {lv["concurrency"]: lv for lv in json.loads(runs["plain"].read_text())["levels"]}
+    spec_levels = {lv["concurrency"]: lv for lv in json.loads(runs["NGRAM"].read_text())["levels"]}
+    plain_levels = {lv["concurrency"]: lv for lv in json.loads(runs["NONE"].read_text())["levels"]}
     for c in (1, 2):
         s, p = spec_levels[c]["output_throughput"], plain_levels[c]["output_throughput"]
         assert f"| {c} | {p:.1f} | {s:.1f} | {s / p:.2f}x |" in doc
+        winner = next(w for w in report["winners"] if w["concurrency"] == c)
+        assert f"`bench tune` winner at concurrency {c}: `{winner['config']}`" in doc
 
     facts = json.loads((out / "deploy.json").read_text())
     env = dict(line.split("=", 1) for line in (out / "specserve.env").read_text().splitlines()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from specserve.server.engine_api import EngineOutput, RequestGroup
 from specserve.server.schemas import StreamOptions
 from specserve.server.serve_config import serve_config_from_args
 from specserve.server.tool_parsers import HermesParser, KimiK2Parser, Parsed, ToolParser
+from specserve.spec.dflash_model import init_random_dflash
+from specserve.spec.eagle3_model import init_random_eagle3
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 
@@ -145,7 +148,7 @@ def test_serve_config_file_and_flag_precedence(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("serve")
-    (d / "serve.yaml").write_text(f"model: {tiny_dir}\nserved-model-name: from-file\nmax_queue: 8\n"
+    (d / "serve.yaml").write_text(f"model: {tiny_dir}\nserved-model-name: from-file\nmax_queue: 32\n"
                                   "tool_call_parser: hermes\ndevice: cpu\n")
     with running_server(["--config", str(d / "serve.yaml"), "--served-model-name", "tiny"], d / "log") as srv:
         yield srv
@@ -155,7 +158,31 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def spec_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("spec")
     args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
-            "--speculative-algorithm", "NGRAM"]
+            "--speculative-algorithm", "NGRAM", "--no-speculative-adaptive"]
+    with running_server(args, d / "log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def chain_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Iterator[ServerProcess]:
+    """EAGLE-3 chain speculation with a random drafter (accepts little; exactness is the point)."""
+    d = tmp_path_factory.mktemp("chain")
+    init_random_eagle3(llm.config, d / "eagle3", seed=4)
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(d / "eagle3"),
+            "--speculative-num-steps", "3", "--no-speculative-adaptive"]
+    with running_server(args, d / "log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def ddtree_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Iterator[ServerProcess]:
+    """DFlash block drafts verified as a DDTree, random drafter."""
+    d = tmp_path_factory.mktemp("ddtree")
+    init_random_dflash(llm.config, d / "dflash", seed=3, block_size=8)
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
+            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(d / "dflash"),
+            "--speculative-tree", "ddtree", "--speculative-num-draft-tokens", "8", "--no-speculative-adaptive"]
     with running_server(args, d / "log") as srv:
         yield srv
 
@@ -164,7 +191,7 @@ def spec_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def guarded(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("guarded")
     args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny", "--api-key", KEY,
-            "--max-queue", "2", "--shutdown-timeout", "10"]
+            "--max-queue", "2", "--max-num-seqs", "1", "--shutdown-timeout", "10"]
     with running_server(args, d / "log") as srv:
         yield srv
 
@@ -208,20 +235,27 @@ async def complete_many(url: str, prompts: list[str], **body: Any) -> list[dict[
     return [r.json() for r in rs]
 
 
-@pytest.mark.parametrize("which", ["server", "spec_server"])
+# 16 different prompts, sent at once: the engine decodes them in one batch
+PROMPTS16 = [p + tail for p in PROMPTS for tail in ("", " x", "\n    ", "  # note\n")]
+
+
+@pytest.mark.parametrize("which", ["server", "spec_server", "chain_server", "ddtree_server"])
 def test_greedy_matches_offline_concurrently(which: str, request: pytest.FixtureRequest, llm: LLM) -> None:
+    """Concurrency 16, greedy: every response equals offline plain decoding (default, batched mode)."""
     srv: ServerProcess = request.getfixturevalue(which)
-    outs = asyncio.run(complete_many(srv.url, PROMPTS, max_tokens=40, temperature=0, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+    outs = asyncio.run(complete_many(srv.url, PROMPTS16, max_tokens=40, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS16, outs, strict=True):
         text, n, reason = offline(llm, prompt, max_new_tokens=40, ignore_eos=True)
-        assert (out["choices"][0]["text"], out["usage"]["completion_tokens"]) == (text, n)
+        assert (out["choices"][0]["text"], out["usage"]["completion_tokens"]) == (text, n), prompt
         assert out["choices"][0]["finish_reason"] == reason == "length"
-    if which == "spec_server":
+    m = metrics(srv.url)
+    assert m["specserve_num_running_reqs"] == 0
+    assert m["specserve_kv_blocks_free"] + m["specserve_kv_blocks_cached"] == m["specserve_kv_blocks_total"]
+    if which != "server":
         info = httpx.get(srv.url + "/server_info").json()
-        assert info["speculative"]["algorithm"] == "NGRAM" and info["avg_spec_accept_length"] >= 1.0
-        m = metrics(srv.url)
+        assert info["avg_spec_accept_length"] >= 1.0
         # every token after a request's first comes out of a verify step
-        assert m["specserve_spec_accept_length_sum"] >= 4 * 39 and m["specserve_generation_tokens_total"] >= 4 * 40
+        assert m["specserve_spec_accept_length_sum"] >= 16 * 39 and m["specserve_generation_tokens_total"] >= 16 * 40
         steps = m["specserve_spec_accept_length_count"]
         assert info["avg_spec_accept_length"] == pytest.approx(m["specserve_spec_accept_length_sum"] / steps)
         assert m['specserve_spec_position_accept_rate{position="1"}'] <= 1.0
@@ -369,7 +403,12 @@ def test_full_queue_answers_503_with_retry_after(guarded: ServerProcess) -> None
                 assert r.status_code == 503 and r.headers["retry-after"] == "1"
                 assert r.json()["error"]["code"] == "queue_full"
                 assert metrics(guarded.url)["specserve_num_queue_reqs"] == 2
-        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        # the streams' clients left: their requests are aborted as the server notices, and the queue frees up
+        deadline = time.monotonic() + 10
+        while (code := c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code) == 503:
+            assert time.monotonic() < deadline, "the queue did not free up after the clients disconnected"
+            time.sleep(0.1)
+        assert code == 200
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(guarded: ServerProcess) -> None:

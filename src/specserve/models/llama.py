@@ -14,6 +14,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.kv.contiguous import KVView
+from specserve.kv.paged import PagedView
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm, rms_norm_rows
 from specserve.layers.rope import RotaryEmbedding, apply_rope
@@ -46,7 +47,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: int,
-        kv: KVView | None,
+        kv: KVView | PagedView | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
@@ -94,7 +95,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-        kv: KVView | None, mask: torch.Tensor | None,
+        kv: KVView | PagedView | None, mask: torch.Tensor | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -131,7 +132,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, Q]
         positions: torch.Tensor,  # [B, Q] RoPE positions
-        kv: KVView | None = None,
+        kv: KVView | PagedView | None = None,
         mask: torch.Tensor | None = None,  # [B|1, 1, Q, K] bool, only used without kv
         capture: tuple[int, ...] = (),  # indices into HF's hidden_states tuple (0 = embeddings)
         last_only: bool = False,

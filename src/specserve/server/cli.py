@@ -37,12 +37,13 @@ def run_server(args: argparse.Namespace) -> int:
 
     from specserve.engine.llm import LLM
     from specserve.server.app import create_app
-    from specserve.server.engine import AsyncEngine
+    from specserve.server.batch_serving import BatchServingEngine, build_batch_engine
 
     cfg = serve_config_from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
-    app = create_app(AsyncEngine(llm, cfg.max_queue), cfg)
+    engine = build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile)
+    app = create_app(BatchServingEngine(llm, engine, cfg.max_queue), cfg)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout), lifespan="on",

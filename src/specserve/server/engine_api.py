@@ -3,15 +3,15 @@
 An engine takes the choices of one HTTP request together (`submit`, all or none: `QueueFull` when the
 bounded queue cannot hold them, `EngineClosed` while shutting down) and returns a `RequestGroup`, an
 async iterator of `EngineOutput` deltas on the event loop; `RequestGroup.abort` stops what has not
-finished. `server/engine.py` implements it one request at a time; a continuous-batching engine
-implements the same protocol, and the app does not change.
+finished. `server/batch_serving.py` implements it on the continuous-batching engine; the app only
+sees this protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specserve.engine.scheduler import QueueFull
@@ -59,6 +59,26 @@ class EngineStats:
     spec_verify_steps: int = 0
     spec_accept_length_sum: int = 0  # accepted drafts + 1, summed over verify steps
     spec_position_accepted: tuple[int, ...] = ()  # [i]: verify steps that accepted draft i+1
+    # continuous-batching engine (zero where an engine has no such part)
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0  # held by the prefix cache
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_miss_tokens: int = 0
+    host_hit_tokens: int = 0  # prefix hits served from the host tier
+    host_blocks_used: int = 0
+    device_to_host_blocks: int = 0
+    host_to_device_blocks: int = 0
+    engine_steps: int = 0
+    engine_step_seconds: float = 0.0
+    engine_forward_seconds: float = 0.0  # target forwards; the rest of a step is host work
+    spec_steps: int = 0  # steps that verified drafts (adaptive speculation may skip some)
+    adaptive_choices: dict[int, int] = field(default_factory=dict)  # draft width -> steps
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     @property
     def avg_accept_length(self) -> float | None:

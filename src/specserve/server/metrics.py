@@ -71,7 +71,38 @@ def render_metrics(stats: EngineStats, responses: dict[tuple[str, int], int]) ->
     w.family(p + "num_running_reqs", "gauge", "Requests being generated.", [("", {}, stats.num_running)])
     w.family(p + "max_queue_reqs", "gauge", "Queue bound (--max-queue); beyond it requests get 503.",
              [("", {}, stats.max_queue)])
+    if stats.kv_blocks_total:
+        w.family(p + "kv_blocks_total", "gauge", "KV cache blocks in the device pool.",
+                 [("", {}, stats.kv_blocks_total)])
+        w.family(p + "kv_blocks_free", "gauge", "Free KV cache blocks.", [("", {}, stats.kv_blocks_free)])
+        w.family(p + "kv_blocks_cached", "gauge", "KV blocks held by the prefix cache.",
+                 [("", {}, stats.kv_blocks_cached)])
+        w.family(p + "token_usage", "gauge", "Fraction of KV blocks in use (cached blocks included).",
+                 [("", {}, stats.kv_usage)])
+        w.family(p + "num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks.",
+                 [("", {}, stats.num_preemptions)])
+        w.family(p + "prefix_cache_tokens_total", "counter", "Prompt tokens looked up in the prefix cache, by result.",
+                 [("", {"result": "hit"}, stats.prefix_hit_tokens), ("", {"result": "miss"}, stats.prefix_miss_tokens)])
+        w.family(p + "hicache_host_hit_tokens_total", "counter", "Prefix-hit tokens brought back from the host tier.",
+                 [("", {}, stats.host_hit_tokens)])
+        w.family(p + "hicache_host_blocks", "gauge", "KV blocks held in the host tier.",
+                 [("", {}, stats.host_blocks_used)])
+        w.family(p + "hicache_moves_total", "counter", "KV blocks moved between tiers, by direction.",
+                 [("", {"direction": "device_to_host"}, stats.device_to_host_blocks),
+                  ("", {"direction": "host_to_device"}, stats.host_to_device_blocks)])
+        w.family(p + "engine_steps_total", "counter", "Engine steps (batched forwards of the target).",
+                 [("", {}, stats.engine_steps)])
+        w.family(p + "engine_seconds_total", "counter",
+                 "Engine step time, by part: target forwards vs host work (scheduling, drafting, verification).",
+                 [("", {"part": "forward"}, stats.engine_forward_seconds),
+                  ("", {"part": "host"}, stats.engine_step_seconds - stats.engine_forward_seconds)])
     if stats.speculative:
+        w.family(p + "spec_steps_total", "counter", "Engine steps that verified draft tokens.",
+                 [("", {}, stats.spec_steps)])
+        if stats.adaptive_choices:
+            w.family(p + "spec_adaptive_width_steps_total", "counter",
+                     "Steps per draft width chosen by adaptive speculation (0 = plain decoding).",
+                     [("", {"width": k}, n) for k, n in sorted(stats.adaptive_choices.items())])
         w.family(p + "spec_accept_length", "summary", "Accept length per verify step (accepted drafts + 1).",
                  [("_sum", {}, stats.spec_accept_length_sum), ("_count", {}, stats.spec_verify_steps)])
         w.family(p + "spec_accepted_tokens_total", "counter", "Verify steps that accepted the draft at a position.",

@@ -21,6 +21,7 @@ import yaml
 
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import SpeculativeConfig
+from specserve.engine.batch import EngineConfig
 from specserve.models.loader import resolve_model_path
 from specserve.server.tool_parsers import TOOL_PARSERS
 
@@ -41,6 +42,9 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    speculative_adaptive: bool = True
+    speculative_adaptive_profile: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,7 +72,7 @@ class ServeConfig:
             "model": self.model, "served_model_name": self.model_name, "device": self.device, "dtype": self.dtype,
             "host": self.host, "port": self.port, "api_key_required": self.api_key is not None,
             "max_queue": self.max_queue, "tool_call_parser": self.tool_call_parser,
-            "shutdown_timeout": self.shutdown_timeout,
+            "shutdown_timeout": self.shutdown_timeout, "speculative_adaptive": self.speculative_adaptive,
         }
 
 
@@ -85,7 +89,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    e = p.add_argument_group("engine (continuous batching, paged KV cache)")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
+    e.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="tokens per engine step (prefill chunks + decode/verify tokens)")
+    e.add_argument("--kv-block-size", type=int, default=16, help="token slots per KV block")
+    e.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks in the device pool (0: from --kv-cache-gb)")
+    e.add_argument("--kv-cache-gb", type=float, default=1.0, help="device memory for the KV pool")
+    e.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")
+    e.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="keep prefix blocks evicted from the device pool in host memory (HiCache)")
+    e.add_argument("--hicache-size", type=float, default=2.0, help="GB of host memory for the host KV tier")
+    e.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant forwards: a request's tokens do not depend on the rest of the batch")
     add_speculative_args(p)
+    s = p.add_argument_group("adaptive speculation")
+    s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="per step, verify as many drafts as pays at the current batch size (or none)")
+    s.add_argument("--speculative-adaptive-profile", default=None,
+                   help="JSON cost profile to reuse (measured and written there when missing or stale)")
 
 
 class _Default:
@@ -140,6 +162,9 @@ def parse_config_file(path: str | Path) -> dict[str, Any]:
                              "without their dashes, e.g. max-queue or speculative-algorithm")
         flag = "--" + dest.replace("_", "-")
         for v in value if isinstance(value, list) else [value]:
+            if v is False and "--no-" + flag[2:] in parser._option_string_actions:
+                tokens.append("--no-" + flag[2:])
+                continue
             if v is None or v is False:
                 continue
             tokens += [flag] if v is True else [flag, str(v)]
@@ -163,6 +188,14 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=ns.model, device=ns.device, dtype=ns.dtype, host=ns.host, port=ns.port, api_key=ns.api_key,
         max_queue=ns.max_queue, served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
         shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level, speculative=speculative_from_args(ns),
+        engine=EngineConfig(
+            num_kv_blocks=ns.num_kv_blocks, kv_block_size=ns.kv_block_size, kv_cache_gb=ns.kv_cache_gb,
+            max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, max_waiting=ns.max_queue,
+            enable_prefix_cache=not ns.disable_radix_cache,
+            hicache_gb=ns.hicache_size if ns.enable_hierarchical_cache else 0.0,
+            batch_invariant=ns.enable_deterministic_inference,
+        ),
+        speculative_adaptive=ns.speculative_adaptive, speculative_adaptive_profile=ns.speculative_adaptive_profile,
     )
     if config_path:
         check_frozen(config_path, cfg)

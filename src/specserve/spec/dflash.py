@@ -74,6 +74,9 @@ class DFlashDrafter(Drafter):
         logits = self.target.logits(hidden[0, 1:])  # [bs-1, V]
         return torch.log_softmax(logits.float(), dim=-1)
 
+    def skip(self, root: int) -> None:
+        """The context cache only grows in `accept`; a round without drafts needs nothing."""
+
     def propose(self, root: int) -> DraftTree:
         log_probs = self.block_log_probs(root)
         if self.spec.tree == "ddtree":

@@ -4,6 +4,8 @@ The speculative loop drives a drafter through one request:
   prefill(prompt_ids, hidden)          once, after the target's prefill
   propose(root, budget)  -> DraftTree  each round
   accept(tokens, hidden)               after verification, with the accepted path
+A round the engine runs without speculation (adaptive speculation chose plain decoding) calls
+`skip(root)` instead of `propose(root)`; `accept` follows with tokens [root].
 """
 
 from __future__ import annotations
@@ -31,3 +33,8 @@ class Drafter(ABC):
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
         """After verification: `tokens` = [root, accepted drafts...] now in the target's KV;
         hidden [len(tokens), len(capture)*H] their captured target states; `next_root` the bonus token."""
+
+    def skip(self, root: int) -> None:
+        """A round without drafts at `root`; `accept([root], ...)` follows. Drafters whose `propose` keeps
+        state override this with something cheaper than drafting and discarding."""
+        self.propose(root)

@@ -78,6 +78,13 @@ class Eagle3Drafter(Drafter):
             return self._chain(root, feat)
         return self._tree(root, feat)
 
+    @torch.inference_mode()
+    def skip(self, root: int) -> None:
+        """Commit the pending pairs with `root` (as `propose` does) without drafting."""
+        assert self._pending_hidden is not None, "skip() must follow prefill() or accept()"
+        self._commit(root)
+        self._root = root
+
     def _run(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, start: int,
              mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [Q], feats [Q, H], positions [Q] written at slots start.. -> layer outputs [Q, H]."""

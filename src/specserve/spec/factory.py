@@ -93,6 +93,16 @@ class DrafterBuilder:
             self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)
 
     @property
+    def capture(self) -> tuple[int, ...]:
+        """HF hidden_states indices the target must capture for this drafter (empty: none)."""
+        cfg = getattr(self.weights, "config", None)
+        if self.spec.algorithm == "EAGLE3":
+            return tuple(cfg.aux_layer_ids)  # type: ignore[union-attr]
+        if self.spec.algorithm == "DFLASH":
+            return tuple(cfg.capture)  # type: ignore[union-attr]
+        return ()
+
+    @property
     def max_tree_nodes(self) -> int:
         """Largest verify width (root included) a round can produce."""
         s = self.spec

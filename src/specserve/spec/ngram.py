@@ -128,6 +128,9 @@ class NgramDrafter(Drafter):
             out.append(h[j] if j < len(h) else root)
         return out
 
+    def skip(self, root: int) -> None:
+        """Lookup keeps no per-round state."""
+
     def propose(self, root: int) -> DraftTree:
         tokens = [int(root)]
         parents = [-1]

@@ -1,0 +1,288 @@
+"""Served throughput by concurrency: plain decoding, fixed speculation and adaptive speculation, one run.
+
+    python benchmarks/serving_concurrency.py --model demo --config NGRAM --config "DFLASH draft=16" \\
+        --concurrency 1,4,16,32 --out runs/serving_concurrency.json
+
+For every configuration a `specserve serve` subprocess on 127.0.0.1 (a free port; its log beside --out,
+else in a temporary folder), then the `specserve bench serving` client (its Python API) at each
+concurrency level, then SIGTERM (also on errors and Ctrl-C). Configurations, in this order:
+  NONE                      plain decoding (`--speculative-algorithm NONE`), the baseline;
+  CONFIG fixed              each --config with `--no-speculative-adaptive` (every step verifies the full width);
+  CONFIG adaptive           each --config with adaptive speculation (the server's default; the server
+                            measures its cost profile at start-up when none is cached for the machine).
+A --config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree (benchmarks/speculative.py's
+syntax and parser; the resolved configuration is passed to the server flag by flag).
+After an untimed warm-up (one short request, then each of the 20 built-in `coding` prompts once, which
+also puts them in the prefix cache for every level alike), each level sends max(--num-prompts,
+2 x concurrency) streamed requests of those prompts (shuffled with seed 0, cycled), --output-len tokens
+each (ignore_eos, so every configuration generates the same number of tokens), at --temperature
+(sampled requests carry seed 0). Drafters that read the target's hidden states (EAGLE3, DFLASH) run
+without the prefix cache, as the engine does, so they prefill every prompt.
+
+Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
+the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
+issue's goals as booleans (null when a level needed for one was not run or failed). With --out it also
+writes that JSON, a markdown table (same name, .md) and keeps the server logs (folder NAME.logs/).
+Exit code 0, or 1 when some configuration failed (its error and log tail are in the JSON), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from speculative import parse_config  # benchmarks/speculative.py (this script's folder is on sys.path)
+
+from specserve.bench.datasets import load_dataset, sample_prompts
+from specserve.bench.serving import ServingConfig, run_level, server_config, warm_up
+from specserve.bench.tune import log_tail, start_server, stop_server
+from specserve.config import SpeculativeConfig
+
+BASELINE = "NONE"
+SERVED_NAME = "bench"
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # NONE, or "<config> fixed" / "<config> adaptive"
+    config: str | None  # the --config text; None for NONE
+    adaptive: bool | None  # None for NONE
+    serve_args: tuple[str, ...]
+
+
+def speculative_flags(spec: SpeculativeConfig) -> list[str]:
+    """The resolved configuration as `specserve serve` flags, so the server runs exactly it."""
+    flags = ["--speculative-algorithm", spec.algorithm]
+    if not spec.enabled:
+        return flags
+    values: dict[str, Any] = {
+        "draft-model-path": spec.draft_model_path, "num-steps": spec.num_steps, "eagle-topk": spec.eagle_topk,
+        "num-draft-tokens": spec.num_draft_tokens, "dflash-block-size": spec.dflash_block_size, "tree": spec.tree,
+        "ngram-min-match": spec.ngram_min_match, "ngram-max-match": spec.ngram_max_match,
+        "ngram-max-breadth": spec.ngram_max_breadth,
+    }
+    for key, value in values.items():
+        if value is not None:
+            flags += [f"--speculative-{key}", str(value)]
+    return flags
+
+
+def plan_variants(model: str, configs: list[str], extra: list[str]) -> list[Variant]:
+    """NONE, then each config fixed, then each config adaptive; ValueError naming a bad --config."""
+    common = [*extra, "--served-model-name", SERVED_NAME]  # the client asks for this name
+    variants = [Variant(BASELINE, None, None, (*common, "--speculative-algorithm", "NONE"))]
+    resolved = []
+    for text in configs:
+        spec = parse_config(text, model)
+        if not spec.enabled:
+            raise ValueError(f"--config {text!r}: NONE is always run as the baseline; give speculative configs")
+        resolved.append((text, speculative_flags(spec)))
+    for adaptive in (False, True):
+        for text, flags in resolved:
+            switch = "--speculative-adaptive" if adaptive else "--no-speculative-adaptive"
+            name = f"{text} {'adaptive' if adaptive else 'fixed'}"
+            variants.append(Variant(name, text, adaptive, (*common, *flags, switch)))
+    return variants
+
+
+def level_count(num_prompts: int, concurrency: int) -> int:
+    return max(num_prompts, 2 * concurrency)
+
+
+async def sweep(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The bench serving client against one server: a warm-up request, then each level with its own count."""
+    cfg = ServingConfig(base_url=url, model=SERVED_NAME, output_len=args.output_len, temperature=args.temperature,
+                        seed=SEED if args.temperature > 0 else None, ignore_eos=True)
+    dataset = load_dataset("coding", args.num_prompts, SEED)
+    widest = max(args.concurrency)
+    limits = httpx.Limits(max_connections=widest + 4, max_keepalive_connections=widest + 4)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        info = await server_config(client, url)
+        warm = await warm_up(client, cfg, dataset.prompts[0])
+        if not warm["ok"] or not warm["ignore_eos_applied"]:
+            raise RuntimeError(f"the warm-up request failed: {warm['error'] or warm['note']}")
+        # untimed: every prompt once (so every level finds them in the prefix cache alike), batches formed
+        primed = await run_level(client, cfg, dataset.prompts, min(widest, len(dataset.prompts)), ignore_eos=True,
+                                 progress=False)
+        if primed["errors"]:
+            raise RuntimeError(f"the warm-up pass failed: {primed['error_messages']}")
+        levels = {}
+        for c in args.concurrency:
+            prompts = sample_prompts(dataset, level_count(args.num_prompts, c), SEED)
+            level = await run_level(client, cfg, prompts, c, ignore_eos=True, progress=False)
+            levels[c] = level
+            print(f"  concurrency {c}: {level['completed']}/{level['num_requests']} ok, "
+                  f"{_num(level['output_throughput'], '.1f')} out tok/s, "
+                  f"accept length {_num(level['accept_length'], '.2f')}", file=sys.stderr, flush=True)
+    return {"server": info, "levels": levels}
+
+
+def summarize_level(level: dict[str, Any]) -> dict[str, Any]:
+    tpot, ttft = level["tpot_ms"], level["ttft_ms"]
+    return {
+        # a level with failed requests measured something else: no figure (its errors say why)
+        "output_tok_s": level["output_throughput"] if level["completed"] and not level["errors"] else None,
+        "accept_length": level["accept_length"],
+        "completed": level["completed"], "num_requests": level["num_requests"], "errors": level["errors"],
+        "error_messages": level["error_messages"], "duration_s": level["duration_s"],
+        "ttft_p50_ms": ttft["p50"] if ttft else None, "tpot_p50_ms": tpot["p50"] if tpot else None,
+    }
+
+
+def run_variant(v: Variant, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": v.name, "config": v.config, "adaptive": v.adaptive,
+                             "serve_args": list(v.serve_args), "server_log": str(log) if args.out else None,
+                             "error": None, "levels": {}}
+    print(f"{v.name}: starting the server (log {log})", file=sys.stderr, flush=True)
+    try:
+        proc, url = start_server(args.model, list(v.serve_args), log, args.server_timeout)
+    except RuntimeError as e:
+        entry["error"] = f"{e}\n{log_tail(log)}"
+        print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
+        return entry
+    try:
+        result = asyncio.run(sweep(url, args))
+        info = result["server"].get("info") or {}
+        entry["server_speculative"] = info.get("speculative") if isinstance(info, dict) else None
+        entry["levels"] = {str(c): summarize_level(level) for c, level in result["levels"].items()}
+    except Exception as e:  # one broken configuration must not lose the others' figures
+        entry["error"] = f"{type(e).__name__}: {e}\n{log_tail(log)}"
+        print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
+    finally:
+        stop_server(proc)  # SIGTERM, then SIGKILL after 30 s
+    return entry
+
+
+def add_ratios(entries: list[dict[str, Any]]) -> None:
+    base = next(e for e in entries if e["name"] == BASELINE)
+    for e in entries:
+        for c, level in e["levels"].items():
+            plain = base["levels"].get(c, {}).get("output_tok_s")
+            tps = level["output_tok_s"]
+            level["ratio_to_plain"] = tps / plain if tps is not None and plain else None
+
+
+def _tps(entry: dict[str, Any], c: int) -> float | None:
+    level = entry["levels"].get(str(c))
+    return level["output_tok_s"] if level else None
+
+
+def goals(entries: list[dict[str, Any]], concurrency: list[int]) -> tuple[float | None, dict[str, Any]]:
+    base = next(e for e in entries if e["name"] == BASELINE)
+    c1, c16 = _tps(base, 1), _tps(base, 16)
+    batching = c16 / c1 if c1 and c16 is not None else None
+    out: dict[str, Any] = {"plain_c16_ge_6x_plain_c1": None if batching is None else batching >= 6.0,
+                           "adaptive": {}}
+    for e in entries:
+        if not e["adaptive"]:
+            continue
+        ratios = [e["levels"].get(str(c), {}).get("ratio_to_plain") for c in concurrency]
+        every = None if any(r is None for r in ratios) else all(r >= 1.0 for r in ratios if r is not None)
+        r1 = e["levels"].get("1", {}).get("ratio_to_plain")
+        out["adaptive"][e["config"]] = {"ge_plain_at_every_concurrency": every,
+                                        "ge_2x_plain_at_c1": None if r1 is None else r1 >= 2.0,
+                                        "min_ratio_to_plain": min((r for r in ratios if r is not None), default=None)}
+    return batching, out
+
+
+def _num(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cs = report["concurrency"]
+    lines = [f"# Served throughput by concurrency: `{report['model']}`", "",
+             f"Output {report['output_len']} tokens (ignore_eos), temperature {report['temperature']}, dataset "
+             f"coding, requests per level {report['requests_per_level']}. Cells: output tok/s (ratio to NONE at "
+             "the same concurrency) · mean accept length.", "",
+             "| config | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for e in report["configs"]:
+        cells = []
+        for c in cs:
+            lv = e["levels"].get(str(c))
+            if not lv:
+                cells.append("failed" if e["error"] else "-")
+                continue
+            ratio = "" if lv["ratio_to_plain"] is None else f" ({lv['ratio_to_plain']:.2f}×)"
+            accept = "" if lv["accept_length"] is None else f" · {lv['accept_length']:.2f}"
+            cells.append(f"{_num(lv['output_tok_s'], '.1f')}{ratio}{accept}")
+        lines.append(f"| {e['name']} | " + " | ".join(cells) + " |")
+    g = report["goals"]
+    lines += ["", f"Batching (NONE c=16 / c=1): {_num(report['batching_ratio_plain_c16_over_c1'], '.2f')}× "
+              f"(goal ≥ 6×: {g['plain_c16_ge_6x_plain_c1']})", ""]
+    for config, res in g["adaptive"].items():
+        lines.append(f"- `{config}` adaptive: ≥ NONE at every concurrency: {res['ge_plain_at_every_concurrency']} "
+                     f"(min ratio {_num(res['min_ratio_to_plain'], '.2f')}); ≥ 2× NONE at c=1: "
+                     f"{res['ge_2x_plain_at_c1']}")
+    for e in report["configs"]:
+        if e["error"]:
+            lines += ["", f"**{e['name']} failed:**", "", "```", e["error"].rstrip(), "```"]
+    lines += ["", f"Command line: `{shlex.join(report['command_line'])}`"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo", help="`demo` or a checkpoint directory (served by every server)")
+    ap.add_argument("--config", action="append", default=[], help="e.g. 'NGRAM draft=12' (repeatable; default NGRAM)")
+    ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per level (at least 2 x concurrency)")
+    ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--extra-serve-args", default="", help="appended to every `specserve serve`, e.g. '--device cpu'")
+    ap.add_argument("--server-timeout", type=float, default=900.0,
+                    help="seconds a server gets to answer /health (an adaptive server may profile first)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here and a markdown table beside it")
+    a = ap.parse_args()
+    try:
+        a.concurrency = [int(c) for c in a.concurrency.split(",") if c.strip()]
+        if not a.concurrency or min(a.concurrency) < 1:
+            raise ValueError(f"--concurrency needs levels >= 1 like 1,4,16,32, got {a.concurrency}")
+        if a.num_prompts < 1 or a.output_len < 1:
+            raise ValueError("--num-prompts and --output-len must be >= 1")
+        variants = plan_variants(a.model, a.config or ["NGRAM"], shlex.split(a.extra_serve_args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="serving-concurrency-") as tmp:  # server logs without --out
+        logs = a.out.parent / f"{a.out.stem}.logs" if a.out is not None else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        entries = []
+        for i, v in enumerate(variants):
+            stem = f"{i:02d}-" + "".join(ch if ch.isalnum() else "-" for ch in v.name).strip("-")
+            entries.append(run_variant(v, a, logs / f"{stem}.server.log"))
+    add_ratios(entries)
+    batching, goal = goals(entries, a.concurrency)
+    report = {
+        "benchmark": "serving_concurrency", "model": a.model, "command_line": sys.argv,
+        "concurrency": a.concurrency,
+        "requests_per_level": {str(c): level_count(a.num_prompts, c) for c in a.concurrency},
+        "output_len": a.output_len, "temperature": a.temperature, "dataset": "coding", "ignore_eos": True,
+        "extra_serve_args": a.extra_serve_args, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "configs": entries, "batching_ratio_plain_c16_over_c1": batching, "goals": goal,
+    }
+    text = json.dumps(report, indent=2)
+    if a.out is not None:
+        a.out.write_text(text + "\n", encoding="utf-8")
+        a.out.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
+        print(f"wrote {a.out} and {a.out.with_suffix('.md')}", file=sys.stderr)
+    print(text)
+    return 1 if any(e["error"] for e in entries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

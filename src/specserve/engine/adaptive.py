@@ -1,0 +1,148 @@
+"""Adaptive speculation: per step, verify the number of draft tokens that maximises expected tokens/s.
+
+Inputs:
+- a cost profile, measured once (`measure_profile`) and saved: seconds of one target forward for
+  batch b x q new tokens per row (q = 1 is plain decoding, q = w + 1 verifies w drafts);
+- drafting cost per request and round, measured online;
+- acceptance, measured online: P(at least i drafts accepted) from the rounds that verified the full width.
+For b running requests the policy scores every candidate width w (0 = plain decoding):
+    rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * draft_s)          E[tokens | 0] = 1, no drafting
+and takes the best. Chains can be cut to any width (E = 1 + sum_{i<=w} P(accepted >= i)); trees are
+verified whole or not at all. When plain decoding has won for a while, one step in `explore_every`
+verifies the full width anyway, so the acceptance estimate follows the traffic.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    key: str  # what it was measured for (model, device, dtype, width); a mismatch means re-measure
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...]  # q = new tokens per row
+    seconds: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][len(widths)]
+
+    def __post_init__(self) -> None:
+        if len(self.seconds) != len(self.batch_sizes) or any(len(r) != len(self.widths) for r in self.seconds):
+            raise ValueError("adaptive profile: seconds must be [batch_sizes][widths]")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or list(self.widths) != sorted(set(self.widths)):
+            raise ValueError("adaptive profile: batch_sizes and widths must be increasing")
+
+    def cost(self, batch: int, q: int) -> float:
+        """Seconds of one forward of `batch` rows x `q` tokens: linear between grid points and beyond them."""
+        row = [_interp(self.widths, list(r), q) for r in self.seconds]
+        return _interp(self.batch_sizes, row, batch)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> CostProfile:
+        d = json.loads(path.read_text())
+        return cls(d["key"], tuple(d["batch_sizes"]), tuple(d["widths"]),
+                   tuple(tuple(float(x) for x in r) for r in d["seconds"]))
+
+
+def _interp(xs: tuple[int, ...], ys: list[float], x: int) -> float:
+    if x <= xs[0]:
+        return ys[0] * x / xs[0] if xs[0] > 1 else ys[0]
+    if x >= xs[-1]:  # beyond the grid: the last segment's slope, never below the last measurement
+        if len(xs) == 1:
+            return ys[-1] * x / xs[-1]
+        return max(ys[-1], ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]))
+    i = bisect.bisect_left(xs, x)
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+
+def measure_profile(
+    forward: Callable[[int, int], None], key: str, batch_sizes: list[int], widths: list[int], repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> CostProfile:
+    """forward(batch, q) runs one target forward of that shape; the fastest of `repeats` after a warm-up."""
+    grid: list[tuple[float, ...]] = []
+    total, done = len(batch_sizes) * len(widths), 0
+    for b in batch_sizes:
+        row: list[float] = []
+        for q in widths:
+            forward(b, q)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                forward(b, q)
+                times.append(time.perf_counter() - t0)
+            row.append(min(times))  # noise (other processes, page faults) only ever adds time
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        grid.append(tuple(row))
+    return CostProfile(key, tuple(batch_sizes), tuple(widths), tuple(grid))
+
+
+class AdaptivePolicy:
+    def __init__(self, profile: CostProfile, max_width: int, tree: bool, explore_every: int = 16,
+                 decay: float = 0.98) -> None:
+        if max_width < 1:
+            raise ValueError(f"adaptive speculation needs a draft width >= 1, got {max_width}")
+        self.profile = profile
+        self.max_width = max_width
+        self.tree = tree  # verify whole trees or nothing; chains may be cut to any width
+        self.explore_every = explore_every
+        self.decay = decay
+        self._at_least = [0.0] * max_width  # [i]: decayed count of full-width rounds accepting >= i+1 drafts
+        self._rounds = 0.0  # decayed count of full-width rounds
+        self._draft_s: float | None = None  # seconds of drafting per request and round (EMA)
+        self._plain_streak = 0
+        self.choices: dict[int, int] = {}  # width -> steps that chose it
+
+    def record_accept(self, accepted: int, width: int) -> None:
+        """A request's round was offered `width` drafts and accepted `accepted` of them."""
+        if width < self.max_width:
+            return  # a cut round says nothing about the deeper positions
+        self._rounds = self._rounds * self.decay + 1.0
+        for i in range(self.max_width):
+            self._at_least[i] = self._at_least[i] * self.decay + (1.0 if i < accepted else 0.0)
+
+    def record_draft(self, seconds_per_request: float) -> None:
+        s = self._draft_s
+        self._draft_s = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
+
+    def expected_tokens(self, width: int) -> float:
+        if width == 0 or self._rounds == 0:
+            return 1.0
+        return 1.0 + sum(a / self._rounds for a in self._at_least[:width])
+
+    def rate(self, batch: int, width: int) -> float:
+        """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
+        if width == 0:
+            return batch / self.profile.cost(batch, 1)
+        draft = (self._draft_s or 0.0) * batch
+        return batch * self.expected_tokens(width) / (self.profile.cost(batch, width + 1) + draft)
+
+    def choose(self, batch: int) -> int:
+        max_width = self.max_width
+        if batch == 0:
+            return 0
+        if self._rounds == 0 or self._draft_s is None:
+            best = max_width  # nothing measured yet: speculate to learn
+        else:
+            widths = [0, max_width] if self.tree else list(range(max_width + 1))
+            best = max(widths, key=lambda w: self.rate(batch, w))
+            if best == 0:
+                self._plain_streak += 1
+                if self._plain_streak >= self.explore_every:
+                    best = max_width
+            if best > 0:
+                self._plain_streak = 0
+        self.choices[best] = self.choices.get(best, 0) + 1
+        return best

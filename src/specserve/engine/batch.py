@@ -1,0 +1,340 @@
+"""`BatchEngine`: continuous batching with speculative decoding on the paged KV cache.
+
+One `step()`:
+    k      = how many draft tokens each decode verifies this step (adaptive policy, or the fixed width)
+    plan   = scheduler.schedule(k)                      # decodes, prefill chunks, preemptions
+    prefill chunks  -> one padded forward; completed prompts sample their first token, start their drafter
+    decodes         -> each drafts a tree (or skips), one padded verify forward for all of them,
+                       then per request: verify, compact the accepted path's KV, commit, feed the drafter
+Every request keeps its own sampling parameters, generator, stop checker and drafter; the step returns
+what each produced. Not thread-safe: the serving wrapper (`server/batch_serving.py`) calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.adaptive import AdaptivePolicy
+from specserve.engine.runner import ModelRunner, Row, RowOutput
+from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
+from specserve.engine.sequence import Sequence
+from specserve.engine.stops import StopChecker
+from specserve.kv.block_pool import BlockPool
+from specserve.kv.host_tier import HostTier
+from specserve.kv.paged import PagedKVCache
+from specserve.kv.radix import RadixCache
+from specserve.layers.sampling import make_generator, pick, target_probs
+from specserve.models.llama import CausalLM
+from specserve.spec.drafter import Drafter
+from specserve.spec.factory import DrafterBuilder
+from specserve.spec.tree import DraftTree
+from specserve.spec.verify import verify_greedy, verify_sampled
+from specserve.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_kv_blocks: int = 0  # 0 = size from kv_cache_gb
+    kv_block_size: int = 16
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_waiting: int = 256
+    enable_prefix_cache: bool = True
+    hicache_gb: float = 0.0  # host tier size; 0 = off
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"--num-kv-blocks must be >= 0 (0 = from --kv-cache-gb), got {self.num_kv_blocks}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"--kv-block-size must be at least 1, got {self.kv_block_size}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.hicache_gb < 0:
+            raise ValueError(f"--hicache-size must be >= 0 GB (0 = no host tier), got {self.hicache_gb}")
+        if self.max_waiting < 1:
+            raise ValueError(f"--max-queue must be at least 1 (requests waiting before 503), got {self.max_waiting}")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # set on the request's last output
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    spec_steps: int = 0  # steps that verified drafts
+    verify_rounds: int = 0  # per-request verify rounds (accept length counted over these)
+    accept_sum: int = 0
+    position_accepted: list[int] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)
+    step_s: float = 0.0  # wall time inside step()
+    forward_s: float = 0.0  # of which target forwards (the rest is host work: scheduling, drafting, verifying)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator
+    checker: StopChecker
+    drafter: Drafter | None = None
+    hidden_parts: list[torch.Tensor] = field(default_factory=list)  # captured prefill states, chunk by chunk
+
+
+class BatchEngine:
+    def __init__(
+        self,
+        model: CausalLM,
+        eos_ids: tuple[int, ...],
+        decode: Callable[[list[int]], str],
+        config: EngineConfig,
+        drafters: DrafterBuilder | None = None,
+        policy: AdaptivePolicy | None = None,
+    ) -> None:
+        self.model = model
+        self.eos_ids = eos_ids
+        self.decode = decode
+        self.config = config
+        self.drafters = drafters
+        self.policy = policy
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        self.device = device
+        mcfg = model.config
+        self.max_context = mcfg.max_position_embeddings
+        self.capture = drafters.capture if drafters is not None else ()
+        self.max_draft = drafters.max_tree_nodes - 1 if drafters is not None else 0
+        block_bytes = PagedKVCache(mcfg, 1, config.kv_block_size, torch.device("meta"), dtype).bytes_per_block
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gb * 2**30 // block_bytes))
+        self.kv = PagedKVCache(mcfg, num_blocks, config.kv_block_size, device, dtype)
+        self.pool = BlockPool(num_blocks, config.kv_block_size)
+        host_blocks = int(config.hicache_gb * 2**30 // block_bytes)
+        if config.hicache_gb > 0 and host_blocks < 1:
+            raise ValueError(f"--hicache-size {config.hicache_gb} GB holds no KV block of {block_bytes} bytes")
+        # Drafters that read the target's hidden states need them for every token, cached prefixes
+        # included; those are not kept, so such drafters run without the prefix cache.
+        use_cache = config.enable_prefix_cache and not self.capture
+        self.host: HostTier | None = None
+        self._host_k: dict[int, torch.Tensor] = {}
+        self._host_v: dict[int, torch.Tensor] = {}
+        if host_blocks and use_cache:
+            self.host = HostTier(host_blocks, self._copy_out, self._copy_in)
+        self.cache = RadixCache(self.pool, self.host) if use_cache else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting),
+            self.pool, self.cache,
+        )
+        self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
+        self.counters = EngineCounters()
+        self._requests: dict[str, _Request] = {}
+        self._block_offsets = torch.arange(config.kv_block_size)
+
+    # -- requests
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises QueueFull when the waiting queue is full, ValueError for bad input."""
+        checker = StopChecker(params, self.eos_ids, self.max_context, len(prompt_ids), self.decode)
+        seq = self.scheduler.add(request_id, prompt_ids, params)
+        self.counters.prompt_tokens += len(prompt_ids)
+        self._requests[request_id] = _Request(seq, params, make_generator(params.seed, self.device), checker)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its KV blocks; False if it is unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._count_finish("abort")
+        return True
+
+    # -- the step
+
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        outs = self._step()
+        self.counters.step_s += time.perf_counter() - t0
+        return outs
+
+    def _forward(self, rows: list[Row]) -> list[RowOutput]:
+        t0 = time.perf_counter()
+        out = self.runner.forward(rows, self.capture)
+        self.counters.forward_s += time.perf_counter() - t0
+        return out
+
+    def _step(self) -> list[StepOutput]:
+        k = self._lookahead()
+        plan = self.scheduler.schedule(k)
+        outs: list[StepOutput] = []
+        for seq in plan.preempted:
+            req = self._requests[seq.request_id]
+            req.drafter, req.hidden_parts = None, []  # rebuilt when the recomputed prefill completes
+        for seq in plan.finished:
+            self._requests.pop(seq.request_id, None)
+            self._count_finish("length")
+            outs.append(StepOutput(seq.request_id, [], "length"))
+        if plan.prefills:
+            outs += self._run_prefills(plan)
+        if plan.decodes:
+            outs += self._run_decodes(plan.decodes, k)
+        self.counters.steps += 1
+        return outs
+
+    def _lookahead(self) -> int:
+        if self.drafters is None:
+            return 0
+        if self.policy is None:
+            return self.max_draft
+        return self.policy.choose(self.scheduler.num_running)
+
+    def _context(self, seq: Sequence, length: int) -> torch.Tensor:
+        """Slots of positions [0, length) of `seq`: [length] long."""
+        blocks = torch.tensor(seq.block_table.blocks, dtype=torch.long)
+        slots = (blocks[:, None] * self.config.kv_block_size + self._block_offsets[None]).flatten()
+        return slots[:length]
+
+    def _run_prefills(self, plan: BatchPlan) -> list[StepOutput]:
+        rows = [self._prefill_row(c) for c in plan.prefills]
+        results = self._forward(rows)
+        outs: list[StepOutput] = []
+        for chunk, res in zip(plan.prefills, results, strict=True):
+            outs += self._finish_prefill(chunk, res)
+        return outs
+
+    def _prefill_row(self, c: PrefillChunk) -> Row:
+        return Row(
+            token_ids=list(c.token_ids), positions=list(range(c.start, c.start + c.num_tokens)),
+            write_slots=list(c.slots), context=self._context(c.seq, c.start),
+            logits="last" if c.completes else "none",
+        )
+
+    def _finish_prefill(self, chunk: PrefillChunk, res: RowOutput) -> list[StepOutput]:
+        seq = chunk.seq
+        req = self._requests[seq.request_id]
+        if self.capture:
+            assert res.captured is not None
+            req.hidden_parts.append(res.captured)
+        if not chunk.completes:
+            self.scheduler.advance(seq, chunk.num_tokens, [])
+            return []
+        assert res.logits is not None
+        token = int(pick(res.logits[-1:], req.params, req.generator).item())
+        if self.drafters is not None:
+            max_len = seq.num_tokens + req.checker.limit + self.drafters.max_tree_nodes + 2
+            req.drafter = self.drafters.for_request(req.params, req.generator, max_len)
+            hidden = torch.cat(req.hidden_parts) if self.capture else None
+            req.drafter.prefill(seq.token_ids[: seq.num_tokens], hidden)
+            req.hidden_parts = []
+        return self._commit(req, chunk.num_tokens, [token])
+
+    def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
+        trees: list[DraftTree] = []
+        rows: list[Row] = []
+        t0 = time.perf_counter()
+        for item in items:
+            req = self._requests[item.seq.request_id]
+            tree = self._draft(req, item, k)
+            trees.append(tree)
+            n = tree.num_nodes + 1
+            chain = tree.is_chain
+            rows.append(Row(
+                token_ids=tree.tokens.tolist(), positions=(tree.depths + item.start).tolist(),
+                write_slots=list(item.slots[:n]), context=self._context(item.seq, item.start),
+                tree_mask=None if chain else tree.ancestor_mask(), logits="all",
+            ))
+        if k > 0:
+            self.counters.spec_steps += 1
+            if self.policy is not None:
+                self.policy.record_draft((time.perf_counter() - t0) / len(items))
+        results = self._forward(rows)
+        outs: list[StepOutput] = []
+        for item, tree, res in zip(items, trees, results, strict=True):
+            outs += self._verify(item, tree, res, speculated=k > 0)
+        return outs
+
+    def _draft(self, req: _Request, item: DecodeItem, k: int) -> DraftTree:
+        root = item.seq.token_ids[-1]
+        if req.drafter is None or item.num_draft_tokens == 0:
+            if req.drafter is not None:
+                req.drafter.skip(root)
+            return DraftTree.chain(root, [], device=self.device)
+        tree = req.drafter.propose(root)
+        return _truncate(tree, item.num_draft_tokens)
+
+    def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput, speculated: bool) -> list[StepOutput]:
+        req = self._requests[item.seq.request_id]
+        assert res.logits is not None
+        if req.params.greedy:
+            v = verify_greedy(tree, res.logits)
+        else:
+            v = verify_sampled(tree, target_probs(res.logits, req.params), req.generator)
+        path = [0, *v.accepted]
+        if v.accepted and v.accepted[-1] != len(v.accepted):  # a tree path: move its KV into place
+            slots = torch.tensor(item.slots, device=self.device)
+            self.kv.copy_slots(slots[torch.tensor(path, device=self.device)], slots[: len(path)])
+        tokens = tree.tokens[path].tolist()  # [root, accepted drafts...]
+        if speculated:
+            c = self.counters
+            c.verify_rounds += 1
+            c.accept_sum += len(path)
+            c.position_accepted.extend([0] * (len(v.accepted) - len(c.position_accepted)))
+            for i in range(len(v.accepted)):
+                c.position_accepted[i] += 1
+            if self.policy is not None:
+                self.policy.record_accept(len(v.accepted), item.num_draft_tokens)
+        out = self._commit(req, len(path), [*tokens[1:], v.bonus])
+        if req.drafter is not None and not req.checker.done:
+            hidden = res.captured[path] if res.captured is not None else None
+            req.drafter.accept(tokens, hidden, v.bonus)
+        return out
+
+    def _commit(self, req: _Request, num_computed: int, new_tokens: list[int]) -> list[StepOutput]:
+        """Feed the stop checker, advance the sequence, finish it if it stopped."""
+        seq = req.seq
+        taken = req.checker.feed(new_tokens)
+        kept = new_tokens[:taken]
+        self.counters.generation_tokens += taken
+        self.scheduler.advance(seq, num_computed if taken == len(new_tokens) else min(num_computed, taken), kept)
+        if not req.checker.done:
+            return [StepOutput(seq.request_id, kept)]
+        reason = req.checker.finish_reason or "length"
+        self.scheduler.finish(seq, reason)
+        del self._requests[seq.request_id]
+        self._count_finish(reason)
+        return [StepOutput(seq.request_id, kept, reason)]
+
+    def _count_finish(self, reason: str) -> None:
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+
+    # -- host tier copies (HiCache)
+
+    def _copy_out(self, block: int, host_slot: int) -> None:
+        k, v = self.kv.read_block(block)
+        self._host_k[host_slot] = k.to("cpu")
+        self._host_v[host_slot] = v.to("cpu")
+
+    def _copy_in(self, host_slot: int, block: int) -> None:
+        self.kv.write_block(block, self._host_k[host_slot].to(self.device), self._host_v[host_slot].to(self.device))
+
+
+def _truncate(tree: DraftTree, max_nodes: int) -> DraftTree:
+    """The first `max_nodes` draft nodes (parents precede children, so it is still a tree)."""
+    if tree.num_nodes <= max_nodes:
+        return tree
+    n = max_nodes + 1
+    probs = tree.draft_probs[:n] if tree.draft_probs is not None else None
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], probs)

@@ -1,0 +1,82 @@
+"""The adaptive-speculation cost profile of one engine: measured once, saved, reused.
+
+The profile times real target forwards through the engine's own runner (paged KV, padded batches) for
+batch sizes 1..max_num_seqs and verify widths 1..max drafts + 1, at a fixed context length. It is keyed
+by everything that changes those times (model config, device, dtype, torch version, threads, block size,
+widths); a saved profile with another key is measured again and overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.engine.adaptive import CostProfile, measure_profile
+from specserve.engine.batch import BatchEngine
+from specserve.engine.runner import Row
+
+PROFILE_CONTEXT = 128  # context tokens per row while timing
+
+
+def profile_grid(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
+    """Batch sizes (powers of two up to max_batch, and max_batch) and verify widths q (1 .. max_width + 1)."""
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch} | {max_batch})
+    widths = sorted({q for q in (1, 2, 3, 5, 9, 13, 17, 25, 33) if q <= max_width + 1} | {max_width + 1})
+    return batches, widths
+
+
+def profile_key(engine: BatchEngine) -> str:
+    cfg = engine.model.config
+    w = engine.model.lm_head.weight
+    facts = {
+        "model": {k: v for k, v in sorted(vars(cfg).items()) if isinstance(v, int | float | str | bool)},
+        "device": str(w.device), "dtype": str(w.dtype), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "block": engine.config.kv_block_size,
+        "max_batch": engine.config.max_num_seqs, "max_draft": engine.max_draft,
+        "batch_invariant": engine.config.batch_invariant, "context": PROFILE_CONTEXT,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_profile_path(key: str) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "specserve" / "adaptive" / f"{key}.json"
+
+
+def engine_profile(engine: BatchEngine, path: Path | None = None, progress: bool = True) -> tuple[CostProfile, Path]:
+    """Load the saved profile at `path` (default: per key under ~/.cache/specserve) or measure and save it.
+
+    Call before the engine serves: timing writes scratch K/V into free blocks of the pool.
+    """
+    key = profile_key(engine)
+    path = path or default_profile_path(key)
+    if path.exists():
+        try:
+            saved = CostProfile.load(path)
+            if saved.key == key:
+                return saved, path
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass  # unreadable or stale: measure again
+    if engine.has_unfinished or engine.pool.num_free != engine.pool.num_blocks:
+        raise RuntimeError("measure the adaptive profile before the engine takes requests (it writes scratch K/V)")
+    batches, widths = profile_grid(engine.config.max_num_seqs, engine.max_draft)
+    need = PROFILE_CONTEXT + max(widths)
+    if need > engine.kv.num_slots:
+        raise ValueError(f"the KV pool ({engine.kv.num_slots} slots) is too small to profile {need}-token rows")
+    context = torch.arange(PROFILE_CONTEXT)
+    bar = tqdm(total=len(batches) * len(widths), desc="adaptive profile", unit="shape", disable=not progress)
+
+    def forward(b: int, q: int) -> None:
+        row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)),
+                  write_slots=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), context=context, logits="all")
+        engine.runner.forward([row] * b, engine.capture)
+
+    profile = measure_profile(forward, key, batches, widths, progress=lambda done, _total: bar.update(1))
+    bar.close()
+    profile.save(path)
+    return profile, path

@@ -1,0 +1,123 @@
+"""The model runner: one target forward over a padded batch of rows on the paged KV cache.
+
+A row is one sequence's new tokens this step: a prefill chunk, a decode token, or a draft tree (root
+first). It attends to its whole context (the slots of its earlier positions) and, among its new tokens,
+causally or by the tree's ancestor mask. Keys are laid out per row as [context | new tokens | padding].
+
+`batch_invariant=True` runs every row as its own forward with exactly the shapes offline decoding uses
+(`engine/plain.py`, `spec/decode.py`), so a request's tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from specserve.kv.paged import PagedKVCache, PagedView
+from specserve.models.llama import CausalLM
+
+LogitRows = Literal["all", "last", "none"]
+
+
+@dataclass(frozen=True)
+class Row:
+    token_ids: list[int]  # [q]
+    positions: list[int]  # [q] RoPE positions
+    write_slots: list[int]  # [q] physical slots for the new K/V
+    context: torch.Tensor  # [c] long: slots of the positions before, attended in full
+    tree_mask: torch.Tensor | None = None  # [q, q] bool among the new tokens; None = causal
+    logits: LogitRows = "all"
+
+    @property
+    def q(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class RowOutput:
+    logits: torch.Tensor | None  # [q, V] ("all"), [1, V] ("last") or None
+    captured: torch.Tensor | None  # [q, n*H] captured target states, when asked for
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, batch_invariant: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.batch_invariant = batch_invariant
+        self.device = cache.device
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row], capture: tuple[int, ...] = ()) -> list[RowOutput]:
+        if not rows:
+            return []
+        if self.batch_invariant or len(rows) == 1:
+            return [self._forward_one(r, capture) for r in rows]
+        return self._forward_padded(rows, capture)
+
+    def _forward_one(self, row: Row, capture: tuple[int, ...]) -> RowOutput:
+        dev, q, c = self.device, row.q, int(row.context.numel())
+        write = torch.tensor(row.write_slots, device=dev)
+        read = torch.cat((row.context.to(dev), write))[None]  # [1, c+q]
+        mask: torch.Tensor | None = None
+        if q > 1:  # what offline decoding passes: causal (prefill, chain) or the tree's ancestors
+            causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+            local = row.tree_mask if row.tree_mask is not None else causal
+            mask = torch.cat((torch.ones(q, c, dtype=torch.bool, device=dev), local.to(dev)), dim=1)[None, None]
+        view = PagedView(self.cache, write, read, mask)
+        ids = torch.tensor([row.token_ids], device=dev)
+        pos = torch.tensor([row.positions], device=dev)
+        last = row.logits == "last"
+        out = self.model(ids, pos, view, capture=capture, last_only=last, compute_logits=row.logits != "none")
+        logits = out.logits[0] if out.logits is not None else None
+        captured = torch.cat(out.captured, dim=-1)[0] if capture else None
+        return RowOutput(logits, captured)
+
+    def _forward_padded(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
+        dev = self.device
+        b = len(rows)
+        qs = [r.q for r in rows]
+        cs = [int(r.context.numel()) for r in rows]
+        q_max = max(qs)
+        k_max = max(c + q for c, q in zip(cs, qs, strict=True))
+        scratch = self.cache.scratch
+        ids = torch.zeros(b, q_max, dtype=torch.long)
+        pos = torch.zeros(b, q_max, dtype=torch.long)
+        write = torch.full((b, q_max), scratch, dtype=torch.long)
+        read = torch.full((b, k_max), scratch, dtype=torch.long)
+        # mask[b, i, j]: context keys for real queries; local keys by causality or tree; padding queries see key 0
+        qi = torch.arange(q_max)[:, None]  # [Q, 1]
+        kj = torch.arange(k_max)[None, :]  # [1, K]
+        c_t = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
+        q_t = torch.tensor(qs)[:, None, None]
+        real_q = qi[None] < q_t  # [B, Q, 1]
+        mask = real_q & ((kj[None] < c_t) | ((kj[None] >= c_t) & (kj[None] - c_t <= qi[None])))
+        mask[:, :, 0] |= ~real_q[:, :, 0]
+        for i, (r, c, q) in enumerate(zip(rows, cs, qs, strict=True)):
+            ids[i, :q] = torch.tensor(r.token_ids)
+            pos[i, :q] = torch.tensor(r.positions)
+            w = torch.tensor(r.write_slots)
+            write[i, :q] = w
+            read[i, :c] = r.context.cpu()
+            read[i, c:c + q] = w
+            if r.tree_mask is not None:
+                mask[i, :q, c:c + q] = r.tree_mask.cpu()
+        view = PagedView(self.cache, write.flatten().to(dev), read.to(dev), mask[:, None].to(dev))
+        out = self.model(ids.to(dev), pos.to(dev), view, capture=capture, compute_logits=False)
+        h = out.hidden  # [B, Q, H]
+        # logits only where asked: all rows of decodes, the last row of completing prefill chunks
+        want = [(i, slice(0, q)) if r.logits == "all" else (i, slice(q - 1, q))
+                for i, (r, q) in enumerate(zip(rows, qs, strict=True)) if r.logits != "none"]
+        logits: dict[int, torch.Tensor] = {}
+        if want:
+            flat = torch.cat([h[i, s] for i, s in want])  # [n, H]
+            all_logits = self.model.logits(flat)  # [n, V]
+            at = 0
+            for i, s in want:
+                n = s.stop - s.start
+                logits[i] = all_logits[at:at + n]
+                at += n
+        captured = torch.cat(out.captured, dim=-1) if capture else None  # [B, Q, n*H]
+        return [RowOutput(logits.get(i), captured[i, :q] if captured is not None else None)
+                for i, q in enumerate(qs)]

@@ -1,0 +1,218 @@
+"""Adaptive speculation: the cost profile's interpolation and storage, the width policy, and the
+measure-once-then-load profile of a real (tiny) engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import specserve.engine.profile as profile_mod
+from specserve.config import SpeculativeConfig
+from specserve.engine.adaptive import AdaptivePolicy, CostProfile
+from specserve.engine.batch import BatchEngine, EngineConfig
+from specserve.engine.llm import LLM
+from specserve.engine.profile import engine_profile, profile_grid, profile_key
+from specserve.types import SamplingParams
+
+# -- CostProfile
+
+
+def grid() -> CostProfile:
+    # T(b, q) at b in {1, 4}, q in {1, 3}
+    return CostProfile("k", (1, 4), (1, 3), ((1.0, 3.0), (2.0, 6.0)))
+
+
+def test_cost_on_and_between_grid_points() -> None:
+    p = grid()
+    assert p.cost(1, 1) == 1.0 and p.cost(4, 3) == 6.0
+    assert p.cost(1, 2) == pytest.approx(2.0)  # between widths
+    assert p.cost(4, 2) == pytest.approx(4.0)
+    assert p.cost(2, 2) == pytest.approx(2.0 + (4.0 - 2.0) / 3)  # between batches of interpolated widths
+
+
+def test_cost_extrapolates_past_the_grid() -> None:
+    p = grid()
+    assert p.cost(1, 5) == pytest.approx(5.0)  # the last segment's slope continues: 3 + 1 * (5 - 3)
+    assert p.cost(8, 3) == pytest.approx(10.0)  # 6 + (6 - 3) / 3 * (8 - 4)
+    assert p.cost(1, 0) == 1.0  # below a grid starting at 1: the first value
+    # below a grid starting above 1: proportional to the size
+    assert CostProfile("k", (2, 4), (1,), ((2.0,), (4.0,))).cost(1, 1) == pytest.approx(1.0)
+    # one measured batch size: cost scales with the batch
+    assert CostProfile("k", (2,), (1, 2), ((2.0, 4.0),)).cost(6, 2) == pytest.approx(12.0)
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    p = grid()
+    path = tmp_path / "nested" / "profile.json"
+    p.save(path)
+    assert CostProfile.load(path) == p
+    assert [f.name for f in path.parent.iterdir()] == ["profile.json"]  # no temporary file left behind
+    assert json.loads(path.read_text())["key"] == "k"
+
+
+@pytest.mark.parametrize("batches, widths, seconds", [
+    ((1, 4), (1, 3), ((1.0, 3.0),)),  # one row missing
+    ((1, 4), (1, 3), ((1.0, 3.0), (2.0,))),  # a short row
+    ((4, 1), (1, 3), ((1.0, 3.0), (2.0, 6.0))),  # batch sizes decreasing
+    ((1, 1), (1, 3), ((1.0, 3.0), (2.0, 6.0))),  # a repeated batch size
+    ((1, 4), (3, 1), ((1.0, 3.0), (2.0, 6.0))),  # widths decreasing
+])
+def test_profile_rejects_a_bad_grid(batches: tuple[int, ...], widths: tuple[int, ...],
+                                    seconds: tuple[tuple[float, ...], ...]) -> None:
+    with pytest.raises(ValueError, match="adaptive profile"):
+        CostProfile("k", batches, widths, seconds)
+
+
+def test_load_rejects_a_bad_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"key": "k", "batch_sizes": [1, 2], "widths": [1], "seconds": [[1.0]]}))
+    with pytest.raises(ValueError, match="adaptive profile"):
+        CostProfile.load(path)
+
+
+# -- AdaptivePolicy
+
+
+def flat(max_q: int = 9) -> CostProfile:
+    """Verifying more tokens costs (almost) nothing more."""
+    return CostProfile("k", (1, 8), (1, max_q), ((1.0, 1.01), (2.0, 2.02)))
+
+
+def steep() -> CostProfile:
+    """One forward costs 1 s + 0.5 s per extra token verified."""
+    return CostProfile("k", (1,), (1, 2, 3, 5), ((1.0, 1.5, 2.0, 3.0),))
+
+
+def test_policy_needs_a_width() -> None:
+    with pytest.raises(ValueError, match="draft width"):
+        AdaptivePolicy(flat(), max_width=0, tree=False)
+
+
+def test_no_data_speculates() -> None:
+    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    assert policy.choose(3) == 4
+    policy.record_draft(0.001)
+    assert policy.choose(3) == 4  # drafting measured, acceptance not yet
+    policy.record_accept(0, 2)  # a cut round says nothing about the full width
+    assert policy.expected_tokens(4) == 1.0
+    assert policy.choose(3) == 4
+    assert policy.choose(0) == 0  # nothing running
+    assert policy.choices == {4: 3}
+
+
+def test_high_acceptance_cheap_drafting_takes_the_max_width() -> None:
+    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    for _ in range(20):
+        policy.record_accept(4, 4)
+    policy.record_draft(0.0)
+    assert policy.expected_tokens(4) == pytest.approx(5.0)
+    assert policy.expected_tokens(2) == pytest.approx(3.0)
+    assert policy.rate(1, 4) == pytest.approx(5.0 / flat().cost(1, 5))
+    assert policy.choose(1) == 4 and policy.choose(8) == 4
+    # the same acceptance with drafting as slow as 5 target forwards: plain decoding wins
+    slow = AdaptivePolicy(flat(), max_width=4, tree=False)
+    for _ in range(20):
+        slow.record_accept(4, 4)
+    slow.record_draft(5.0)
+    assert slow.rate(1, 4) == pytest.approx(5.0 / (flat().cost(1, 5) + 5.0))
+    assert slow.choose(1) == 0
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
+    policy = AdaptivePolicy(steep(), max_width=4, tree=tree, explore_every=4)
+    for _ in range(20):
+        policy.record_accept(0, 4)
+    policy.record_draft(0.01)
+    assert policy.expected_tokens(4) == 1.0
+    assert [policy.choose(1) for _ in range(8)] == [0, 0, 0, 4, 0, 0, 0, 4]
+    assert policy.choices == {0: 6, 4: 2}
+
+
+def test_chains_cut_to_an_intermediate_width_trees_do_not() -> None:
+    """First draft always accepted, the second never: a chain verifies 1 draft; a tree all (4) or none."""
+    for tree, want in ((False, 1), (True, 0)):
+        policy = AdaptivePolicy(steep(), max_width=4, tree=tree)
+        for _ in range(20):
+            policy.record_accept(1, 4)
+        policy.record_draft(0.0)
+        # rates at b = 1: w=0 -> 1/1, w=1 -> 2/1.5, w=2 -> 2/2, w=4 -> 2/3
+        assert policy.choose(1) == want, tree
+
+
+def test_trees_choose_only_none_or_all() -> None:
+    seen = set()
+    for accepted in range(5):
+        for draft_s in (0.0, 0.3, 3.0):
+            policy = AdaptivePolicy(steep(), max_width=4, tree=True)
+            for _ in range(10):
+                policy.record_accept(accepted, 4)
+            policy.record_draft(draft_s)
+            seen.add(policy.choose(1))
+    assert seen == {0, 4}
+
+
+# -- engine_profile on a tiny engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir: Path) -> LLM:
+    spec = SpeculativeConfig.resolve("NGRAM", num_draft_tokens=3, tree="chain")
+    return LLM(tiny_dir, device="cpu", dtype="float32", speculative=spec)
+
+
+def tiny_engine(llm: LLM, max_num_seqs: int = 2, num_kv_blocks: int = 64) -> BatchEngine:
+    cfg = EngineConfig(num_kv_blocks=num_kv_blocks, kv_block_size=4, max_num_seqs=max_num_seqs)
+    return BatchEngine(llm.model, llm.eos_ids, llm.tokenizer.decode, cfg, llm.drafter_builder)
+
+
+def test_profile_grid() -> None:
+    assert profile_grid(64, 11) == ([1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5, 9, 12])
+    assert profile_grid(6, 2) == ([1, 2, 4, 6], [1, 2, 3])
+    assert profile_grid(1, 1) == ([1], [1, 2])
+
+
+def test_engine_profile_measures_once_then_loads(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[str] = []
+    real = profile_mod.measure_profile
+
+    def counting(*args: Any, **kwargs: Any) -> CostProfile:
+        measured.append(args[1])  # the key
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile_mod, "measure_profile", counting)
+    path = tmp_path / "profile.json"
+    eng = tiny_engine(llm)
+    first, at = engine_profile(eng, path, progress=False)
+    assert at == path and path.exists() and measured == [profile_key(eng)]
+    assert first.key == profile_key(eng)
+    assert (first.batch_sizes, first.widths) == ((1, 2), (1, 2, 3))  # max_num_seqs 2; 2 drafts + the root
+    assert all(s > 0 for row in first.seconds for s in row)
+    assert CostProfile.load(path) == first
+
+    again, _ = engine_profile(tiny_engine(llm), path, progress=False)  # same key: loaded, not measured
+    assert again == first and len(measured) == 1
+
+    other = tiny_engine(llm, max_num_seqs=4)
+    assert profile_key(other) != profile_key(eng)
+    third, _ = engine_profile(other, path, progress=False)  # another key: measured again, file replaced
+    assert len(measured) == 2 and third.key == profile_key(other) and third.batch_sizes == (1, 2, 4)
+    assert CostProfile.load(path) == third
+
+    path.write_text("{not json")  # unreadable: measured again
+    engine_profile(other, path, progress=False)
+    assert len(measured) == 3 and CostProfile.load(path).key == profile_key(other)
+
+
+def test_engine_profile_refuses_a_busy_or_small_engine(llm: LLM, tmp_path: Path) -> None:
+    busy = tiny_engine(llm)
+    busy.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        engine_profile(busy, tmp_path / "a.json", progress=False)
+    with pytest.raises(ValueError, match="too small to profile"):
+        engine_profile(tiny_engine(llm, num_kv_blocks=8), tmp_path / "b.json", progress=False)
+    assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+
