@@ -5,6 +5,9 @@ bounded queue answers `QueueFull` at once); the worker applies them between step
 detokenizes each request's new tokens and hands the deltas to the event loop with
 `loop.call_soon_threadsafe`. An aborted request (client gone, shutdown) leaves the batch at the next
 step boundary and its KV blocks go back to the pool.
+
+Overlap (on unless `--disable-overlap-schedule`): a second thread detokenizes and delivers step N's outputs
+while the worker already runs step N+1 (every delivery and finish goes through that thread, in order).
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +52,7 @@ class _Job:
 
 
 class BatchServingEngine:
-    def __init__(self, llm: LLM, engine: BatchEngine, max_queue: int) -> None:
+    def __init__(self, llm: LLM, engine: BatchEngine, max_queue: int, overlap: bool = True) -> None:
         if max_queue < 1:
             raise ValueError(f"--max-queue must be at least 1 (requests waiting before 503), got {max_queue}")
         self._llm = llm
@@ -60,6 +66,9 @@ class BatchServingEngine:
         self._unrun_aborts = 0  # aborted before they reached the engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._overlap = overlap
+        self._posted: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._delivery: threading.Thread | None = None
 
     @property
     def engine(self) -> BatchEngine:
@@ -91,12 +100,16 @@ class BatchServingEngine:
             "prefix_cache": e.cache is not None,
             "host_tier_blocks": e.host.capacity if e.host is not None else 0,
             "speculative_adaptive": e.policy is not None,
+            "overlap_schedule": self._overlap,
         }
 
     def start(self) -> None:
         """Start the worker; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._work, name="specserve-engine", daemon=True)
+        if self._overlap:
+            self._delivery = threading.Thread(target=self._deliver_loop, name="specserve-delivery", daemon=True)
+            self._delivery.start()
         self._thread.start()
 
     def submit(self, requests: list[EngineRequest]) -> RequestGroup:
@@ -153,6 +166,8 @@ class BatchServingEngine:
             self._cv.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        if self._delivery is not None:
+            await asyncio.to_thread(self._delivery.join, timeout)
 
     # -- internals
 
@@ -182,7 +197,27 @@ class BatchServingEngine:
         text = text + job.detok.finish() if error is None else ""
         self._emit(job, EngineOutput(job.index, text, len(job.request.prompt_ids), job.produced, True, reason, error))
 
+    def _post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (a delivery or a finish) on the delivery thread, in order, or here without overlap."""
+        if self._overlap:
+            self._posted.put(fn)
+        else:
+            fn()
+
+    def _deliver_loop(self) -> None:
+        while (fn := self._posted.get()) is not None:
+            try:
+                fn()
+            except Exception:  # one bad delivery must not stop the others
+                log.exception("delivering engine output failed")
+
     def _work(self) -> None:
+        try:
+            self._run_steps()
+        finally:
+            self._posted.put(None)  # the delivery thread ends after what is queued
+
+    def _run_steps(self) -> None:
         e = self._engine
         while True:
             with self._cv:
@@ -197,24 +232,27 @@ class BatchServingEngine:
                 try:
                     e.add_request(rid, list(job.request.prompt_ids), job.request.params)
                 except (ValueError, QueueFull) as err:  # the app checks lengths first; this is the engine's last word
-                    self._finish(job, "error", str(err))
+                    self._post(partial(self._finish, job, "error", str(err)))
             for rid in aborts:
                 running = self._jobs.get(rid)
                 if running is not None and e.abort(rid):
-                    self._finish(running, "abort")
+                    self._post(partial(self._finish, running, "abort"))
             if not e.has_unfinished:
                 continue
             try:
                 outs = e.step()
             except Exception as err:  # a bug must not kill the server: fail the batch, keep serving
                 log.exception("engine step failed; failing the running requests")
-                for rid in list(self._jobs):
-                    job = self._jobs[rid]
+                msg = f"{type(err).__name__}: {err}"
+                for rid, job in list(self._jobs.items()):
                     if e.abort(rid):
-                        self._finish(job, "error", f"{type(err).__name__}: {err}")
+                        self._post(partial(self._finish, job, "error", msg))
                 continue
-            for o in outs:
-                self._deliver(o)
+            self._post(partial(self._deliver_all, outs))
+
+    def _deliver_all(self, outs: list[StepOutput]) -> None:
+        for o in outs:
+            self._deliver(o)
 
     def _deliver(self, o: StepOutput) -> None:
         job = self._jobs.get(o.request_id)

@@ -43,7 +43,7 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
     engine = build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile)
-    app = create_app(BatchServingEngine(llm, engine, cfg.max_queue), cfg)
+    app = create_app(BatchServingEngine(llm, engine, cfg.max_queue, overlap=cfg.overlap_schedule), cfg)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout), lifespan="on",

@@ -45,6 +45,7 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     speculative_adaptive: bool = True
     speculative_adaptive_profile: str | None = None
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,6 +101,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="keep prefix blocks evicted from the device pool in host memory (HiCache)")
     e.add_argument("--hicache-size", type=float, default=2.0, help="GB of host memory for the host KV tier")
+    e.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="deliver each step's outputs before starting the next (no output/compute overlap)")
     e.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant forwards: a request's tokens do not depend on the rest of the batch")
     add_speculative_args(p)
@@ -196,6 +199,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             batch_invariant=ns.enable_deterministic_inference,
         ),
         speculative_adaptive=ns.speculative_adaptive, speculative_adaptive_profile=ns.speculative_adaptive_profile,
+        overlap_schedule=not ns.disable_overlap_schedule,
     )
     if config_path:
         check_frozen(config_path, cfg)
