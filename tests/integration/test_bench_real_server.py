@@ -25,7 +25,8 @@ from specserve.engine.llm import LLM
 from specserve.types import SamplingParams
 
 NUM_PROMPTS, OUTPUT_LEN, CONCURRENCY, SEED = 4, 8, (1, 2), 0
-NGRAM_FLAGS = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+NGRAM_FLAGS = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+               "--no-speculative-adaptive"]  # every step verifies: the accept length is comparable offline
 LEVEL_KEYS = {"concurrency", "num_requests", "completed", "errors", "error_messages", "duration_s", "max_in_flight",
               "request_throughput", "input_throughput", "output_throughput", "total_throughput", "total_input_tokens",
               "total_output_tokens", "token_counts", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "requests",

@@ -26,7 +26,9 @@ import yaml
 
 from server_util import free_port
 from specserve.bench.cli import main as bench_main
+from specserve.config import SpeculativeConfig
 from specserve.deploy.cli import main as deploy_main
+from specserve.deploy.engine_map import build_command
 from specserve.deploy.export import EngineExportConfig, export_engine
 from specserve.deploy.freeze import FreezeConfig, freeze, load_serve_config
 from specserve.deploy.health import wait_healthy
@@ -34,6 +36,7 @@ from specserve.deploy.install import format_status, install, plan_install, statu
 from specserve.deploy.known_flags import check_command, load_engine_flags, missing_fields
 from specserve.deploy.systemd import analyze_unit, exec_line
 from specserve.models.loader import load_config
+from specserve.server.serve_config import ServeConfig
 from specserve.spec.dflash_model import init_random_dflash
 from specserve.spec.eagle3_model import init_random_eagle3
 
@@ -66,8 +69,31 @@ def ngram_yaml(tmp_path: Path, tiny_dir: Path) -> Path:
                       api_key="s3cret", device="cpu")
 
 
+# `specserve serve` engine flags (serve.yaml keys), two ways away from their defaults
+ENGINE_A: dict[str, Any] = {  # a pool in blocks, a host tier, no overlap, deterministic, a saved cost profile
+    "max_num_seqs": 8, "max_num_batched_tokens": 96, "kv_block_size": 32, "num_kv_blocks": 40,
+    "enable_hierarchical_cache": True, "hicache_size": 2.5, "disable_overlap_schedule": True,
+    "enable_deterministic_inference": True, "speculative_adaptive_profile": "PROFILE"}
+ENGINE_B: dict[str, Any] = {  # a pool in GiB, no prefix cache, a fixed draft width, a step budget below the batch
+    "max_num_seqs": 8, "max_num_batched_tokens": 4, "kv_cache_gb": 3.0, "disable_radix_cache": True,
+    "speculative_adaptive": False}
+NEW_FLAGS = {"--max-num-seqs", "--max-num-batched-tokens", "--kv-block-size", "--kv-cache-gb", "--disable-radix-cache",
+             "--enable-hierarchical-cache", "--disable-overlap-schedule", "--enable-deterministic-inference",
+             "--speculative-adaptive"}
+
+
+def engine_entries(settings: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    profile = str(tmp_path / "adaptive-profile.json")
+    return {k: profile if v == "PROFILE" else v for k, v in settings.items()}
+
+
 @needs_analyze
-def test_freeze_unit_passes_systemd_analyze_and_pins_the_config(tmp_path: Path, ngram_yaml: Path) -> None:
+@pytest.mark.parametrize("settings", [{}, ENGINE_A, ENGINE_B], ids=["defaults", "engine-a", "engine-b"])
+def test_freeze_unit_passes_systemd_analyze_and_pins_the_config(tmp_path: Path, ngram_yaml: Path,
+                                                                settings: dict[str, Any]) -> None:
+    entries = engine_entries(settings, tmp_path)
+    source_entries = {k.replace("-", "_"): v for k, v in yaml.safe_load(ngram_yaml.read_text()).items()}
+    write_yaml(ngram_yaml, **source_entries, **entries)
     out = tmp_path / "deploy"
     facts = freeze(FreezeConfig(config=ngram_yaml, out=out))
     unit = out / "specserve.service"
@@ -80,7 +106,8 @@ def test_freeze_unit_passes_systemd_analyze_and_pins_the_config(tmp_path: Path, 
     for line in ("After=network-online.target", "Wants=network-online.target", "Restart=on-failure",
                  "RestartSec=10", "StartLimitBurst=5", "WantedBy=multi-user.target", "User=specserve",
                  "LimitNOFILE=65536", f"EnvironmentFile={out.resolve()}/specserve.env", "TimeoutStopSec=45",
-                 f"ExecStart={facts['exec_start']}"):
+                 f"ExecStart={facts['exec_start']}", "CacheDirectory=specserve",
+                 "Environment=XDG_CACHE_HOME=/var/cache/specserve"):
         assert line in text.splitlines(), line
     assert "-m specserve.deploy.health --url http://127.0.0.1:30123/health" in text
     assert facts["command"][-2:] == ["--api-key", "${SPECSERVE_API_KEY}"]
@@ -91,8 +118,38 @@ def test_freeze_unit_passes_systemd_analyze_and_pins_the_config(tmp_path: Path, 
     # The frozen file reproduces the source configuration with every flag explicit.
     source, frozen = load_serve_config(ngram_yaml), load_serve_config(out / "serve.yaml")
     assert frozen == replace(source, api_key=None, model=str(Path(source.model).resolve()))
-    assert set(yaml.safe_load((out / "serve.yaml").read_text())["model-sha256"]) >= {"config.json",
-                                                                                      "model.safetensors"}
+    frozen_yaml = yaml.safe_load((out / "serve.yaml").read_text())
+    assert set(frozen_yaml["model-sha256"]) >= {"config.json", "model.safetensors"}
+    for key in ("max-num-seqs", "max-num-batched-tokens", "kv-block-size", "num-kv-blocks", "kv-cache-gb",
+                "disable-radix-cache", "enable-hierarchical-cache", "disable-overlap-schedule",
+                "enable-deterministic-inference", "speculative-adaptive"):
+        assert key in frozen_yaml, key  # every engine flag explicit
+    for key, value in entries.items():
+        assert frozen_yaml[key.replace("_", "-")] == value
+
+    doc = (out / "production.md").read_text()
+    what_runs = doc.split("## What runs")[1].split("## Start command")[0]
+    e = source.engine
+    assert (f"- batching: up to {e.max_num_seqs} requests decoded together (`max-num-seqs`), "
+            f"{e.max_num_batched_tokens} tokens per engine step") in what_runs
+    assert "| `--speculative-adaptive` |" in what_runs
+    if settings is ENGINE_A:
+        assert "- KV pool (`num-kv-blocks`, `kv-cache-gb`, `kv-block-size`): 40 blocks of 32 tokens (1280 token " \
+               "slots)" in what_runs
+        assert "- prefix cache: on, host tier of 2.5 GiB keeps prefix blocks evicted" in what_runs
+        assert "- output/compute overlap: off (`disable-overlap-schedule`)" in what_runs
+        assert "- deterministic mode: on (`enable-deterministic-inference`)" in what_runs
+        assert f"- adaptive speculation: on: per step, as many drafts as pay at the current batch size (or none); " \
+               f"cost profile `{entries['speculative_adaptive_profile']}`" in what_runs
+        assert f"| `--speculative-adaptive-profile` | `{entries['speculative_adaptive_profile']}` |" in what_runs
+    elif settings is ENGINE_B:
+        assert ": 3 GiB of device memory in blocks of 16 tokens" in what_runs
+        assert "- prefix cache: off (`disable-radix-cache`), no host tier" in what_runs
+        assert "- adaptive speculation: off (`no-speculative-adaptive`)" in what_runs
+        assert "- deterministic mode: off" in what_runs and "- output/compute overlap: on" in what_runs
+    else:
+        assert "cost profile `/var/cache/specserve/specserve/adaptive/<key>.json`" in what_runs
+        assert ": 1 GiB of device memory in blocks of 16 tokens" in what_runs
 
 
 def test_production_md_reports_the_bench_figures(tmp_path: Path, ngram_yaml: Path) -> None:
@@ -223,8 +280,9 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
     elif algorithm == "DFLASH":
         init_random_dflash(target, tmp_path / "drafter-src", seed=0, num_hidden_layers=1, block_size=4)
         spec.update(speculative_draft_model_path=str(tmp_path / "drafter-src"))
+    settings = {"EAGLE3": ENGINE_A, "DFLASH": ENGINE_B}.get(algorithm, {})  # NGRAM: the engine defaults
     cfg = write_yaml(tmp_path / "serve.yaml", model=str(tiny_dir), device="cpu", api_key="k", max_queue=17,
-                     tool_call_parser="qwen3", **spec)
+                     tool_call_parser="qwen3", **spec, **engine_entries(settings, tmp_path))
     bin_dir = tmp_path / "engine-bin"
     bin_dir.mkdir()
     for name in ("python", "vllm"):
@@ -251,12 +309,17 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
     args = dict(itertools.pairwise(seen))
     assert args["--api-key"] == "k" and args["--served-model-name"] == str(tiny_dir)
     unmapped = {u["flag"] for u in facts["unmapped"]}
+    mapped = {m["flag"] for m in facts["mapped"]}
+    assert mapped | unmapped >= NEW_FLAGS and not mapped & unmapped & NEW_FLAGS  # each engine flag, once
+    env_file = (out / f"{engine}.env").read_text().splitlines()
     drafter_cfg = json.loads((out / "drafter" / "config.json").read_text()) if algorithm != "NGRAM" else {}
     if engine == "sglang":
         assert args["--speculative-algorithm"] == algorithm and args["--tp-size"] == "2"
         assert args["--max-queued-requests"] == "17" and args["--tool-call-parser"] == "qwen25"
-        assert "--enable-hierarchical-cache" in seen
+        assert seen.count("--enable-hierarchical-cache") == 1  # the export option, or the serve flag and it
         assert args["--speculative-draft-model-path"] == str(out.resolve() / "drafter")
+        assert args["--max-running-requests"] == "8"
+        assert args["--chunked-prefill-size"] == str(settings["max_num_batched_tokens"])
     else:
         sc = json.loads(args["--speculative-config"])
         method = {"EAGLE3": "eagle3", "DFLASH": "dflash", "NGRAM": "ngram"}[algorithm]
@@ -264,9 +327,38 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
         assert sc["method"] == method and sc["num_speculative_tokens"] == steps
         assert args["--tensor-parallel-size"] == "2" and args["--tool-call-parser"] == "hermes"
         assert "--enable-auto-tool-choice" in seen
-        assert {"--max-queue", "--hierarchical-cache (export option)", "--speculative-tree"} <= unmapped
+        assert "--speculative-tree" in unmapped
+        seqs = settings.get("max_num_seqs", 64)
+        assert args["--max-num-seqs"] == str(seqs) and args["--max-num-queued-reqs"] == str(17 + seqs)
+        assert "--speculative-adaptive" in unmapped if settings is not ENGINE_B else "--speculative-adaptive" in mapped
         if algorithm != "NGRAM":
             assert sc["model"] == str(out.resolve() / "drafter")
+    if settings is ENGINE_A:
+        assert "--speculative-adaptive-profile" in unmapped and "--hicache-size" in mapped
+        assert "--disable-radix-cache" not in seen and "--no-enable-prefix-caching" not in seen
+        if engine == "sglang":
+            assert args["--page-size"] == "32" and args["--max-total-tokens"] == "1280"
+            assert args["--hicache-size"] == "3"  # 2.5 GiB = 2.68 GB, SGLang takes whole GB
+            assert {"--disable-overlap-schedule", "--enable-deterministic-inference"} <= set(seen)
+            assert "--speculative-adaptive" in unmapped  # SGLang adapts topk-1 chains only; this is topk 2
+        else:
+            assert args["--max-num-batched-tokens"] == "96" and args["--block-size"] == "32"
+            assert args["--num-gpu-blocks-override"] == "40" and args["--kv-offloading-size"] == "2.5"
+            assert "--no-async-scheduling" in seen and "VLLM_BATCH_INVARIANT=1" in env_file
+    elif settings is ENGINE_B:
+        assert "--kv-cache-gb" in unmapped and "--speculative-adaptive" in mapped
+        assert not {"--disable-overlap-schedule", "--no-async-scheduling", "--max-total-tokens", "--block-size",
+                    "--num-gpu-blocks-override", "--enable-deterministic-inference"} & set(seen)
+        if engine == "sglang":
+            assert "--disable-radix-cache" in seen and args["--page-size"] == "16"
+        else:
+            assert "--no-enable-prefix-caching" in seen and "--max-num-batched-tokens" in unmapped
+            assert "--hierarchical-cache (export option)" in unmapped
+            reason = next(u["reason"] for u in facts["unmapped"] if u["flag"] == "--kv-cache-gb")
+            assert "--kv-cache-memory-bytes 1610612736 (per GPU)" in reason  # 3 GiB over tensor parallel 2
+    else:
+        assert args["--max-num-batched-tokens"] == "1024" and "--kv-offloading-size" not in seen
+        assert not any(line.startswith("VLLM_BATCH_INVARIANT") for line in env_file)
     if algorithm == "EAGLE3":
         assert missing_fields(drafter_cfg, known.drafter_fields["EAGLE3"]) == []
         assert drafter_cfg["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -275,7 +367,26 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
     elif algorithm == "DFLASH":
         assert missing_fields(drafter_cfg, known.drafter_fields["DFLASH"]) == []
         assert drafter_cfg["architectures"] == ["DFlashDraftModel"] and drafter_cfg["block_size"] == 4
-    assert "## Without an equivalent" in (out / "EXPORT.md").read_text()
+    doc = (out / "EXPORT.md").read_text()
+    assert "## Without an equivalent" in doc
+    assert all(f"`{flag}" in doc for flag in NEW_FLAGS)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_adaptive_speculation_maps_to_sglang_for_eagle3_chains_only(topk: int) -> None:
+    spec = SpeculativeConfig(algorithm="EAGLE3", draft_model_path="/d", num_steps=3, eagle_topk=topk,
+                             num_draft_tokens=4, tree="chain" if topk == 1 else "eagle")
+    cfg = ServeConfig(model="/m", speculative=spec, speculative_adaptive_profile="/p.json")
+    sglang = build_command(load_engine_flags("sglang"), cfg, "/m", "/d")
+    vllm = build_command(load_engine_flags("vllm"), cfg, "/m", "/d")
+    unmapped = {u.flag: u.reason for u in sglang.unmapped}
+    assert ("--speculative-adaptive" in sglang.argv) == (topk == 1)
+    assert ("--speculative-adaptive" in unmapped) == (topk == 2)
+    assert ("default is used" in unmapped["--speculative-adaptive-profile"]) == (topk == 1)
+    assert "--speculative-adaptive" not in vllm.argv
+    assert {"--speculative-adaptive", "--speculative-adaptive-profile"} <= {u.flag for u in vllm.unmapped}
+    plain = build_command(load_engine_flags("sglang"), ServeConfig(model="/m"), "/m", None)
+    assert "--speculative-adaptive" in {m.flag for m in plain.mapped}  # nothing to adapt without drafts
 
 
 def test_check_command_rejects_unknown_flags_and_values() -> None:

@@ -91,22 +91,136 @@ def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter
         b.map("--log-level", cfg.log_level, "--uvicorn-log-level", cfg.log_level,
               note="HTTP server logs; engine logs follow VLLM_LOGGING_LEVEL in the environment file")
         b.env.append(("VLLM_LOGGING_LEVEL", cfg.log_level.upper()))
-        b.skip("--max-queue", cfg.max_queue, "vLLM does not bound waiting requests (--max-num-seqs bounds running "
-               "ones, a different limit); put a limit in front of it (router/proxy) if you relied on 503s")
+        in_flight = cfg.max_queue + cfg.engine.max_num_seqs
+        b.map("--max-queue", cfg.max_queue, "--max-num-queued-reqs", str(in_flight),
+              note=f"vLLM counts waiting + running requests before its 503: {cfg.max_queue} + --max-num-seqs")
         b.map("--shutdown-timeout", cfg.shutdown_timeout, "--shutdown-timeout",
               str(math.ceil(cfg.shutdown_timeout)), note="whole seconds")
     if tp > 1:
         b.map("--tp (export option)", tp, "--tp-size" if sglang else "--tensor-parallel-size", str(tp))
-    if hierarchical_cache:
-        if sglang:
-            b.map("--hierarchical-cache (export option)", True, "--enable-hierarchical-cache")
-        else:
-            b.skip("--hierarchical-cache (export option)", True, "vLLM has no hierarchical prefix cache flag in the "
-                   "checked arguments; its CPU KV offloading is a different mechanism and is not exported")
+    _batching(b, cfg, sglang)
+    _kv_pool(b, cfg, sglang, tp)
+    _prefix_cache(b, cfg, sglang, hierarchical_cache)
+    _execution(b, cfg, sglang)
     (_sglang_spec if sglang else _vllm_spec)(b, cfg, drafter_path)
+    _adaptive(b, cfg, sglang)
     argv = (*known.launcher, *(() if sglang else (model_path,)), *b.args)
     check_command(known, list(argv))
     return EngineCommand(engine, argv, tuple(b.mapped), tuple(b.unmapped), tuple(b.env))
+
+
+def _batching(b: _Builder, cfg: ServeConfig, sglang: bool) -> None:
+    e = cfg.engine
+    b.map("--max-num-seqs", e.max_num_seqs, "--max-running-requests" if sglang else "--max-num-seqs",
+          str(e.max_num_seqs))
+    if sglang:
+        b.map("--max-num-batched-tokens", e.max_num_batched_tokens, "--chunked-prefill-size",
+              str(e.max_num_batched_tokens), note="caps the prefill tokens of a step; SGLang runs decode/verify "
+              "tokens outside this budget")
+    elif e.max_num_batched_tokens >= e.max_num_seqs:
+        b.map("--max-num-batched-tokens", e.max_num_batched_tokens, "--max-num-batched-tokens",
+              str(e.max_num_batched_tokens), note="prefill chunks + decode/verify tokens per step, as here")
+    else:
+        b.skip("--max-num-batched-tokens", e.max_num_batched_tokens, f"vLLM refuses a step budget below "
+               f"--max-num-seqs ({e.max_num_seqs}); its default budget is used")
+
+
+def _kv_pool(b: _Builder, cfg: ServeConfig, sglang: bool, tp: int) -> None:
+    e = cfg.engine
+    bs, blocks = e.kv_block_size, e.num_kv_blocks
+    if sglang:
+        b.map("--kv-block-size", bs, *(("--page-size", str(bs)) if bs != 1 else ()),
+              note="tokens per KV page (SGLang's default: 1)")
+    elif bs != 16 or blocks:  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE
+        b.map("--kv-block-size", bs, "--block-size", str(bs), note="tokens per KV block")
+    else:
+        b.map("--kv-block-size", bs, note="vLLM's default block size")
+    if blocks:
+        if sglang:
+            b.map("--num-kv-blocks", blocks, "--max-total-tokens", str(blocks * bs),
+                  note=f"{blocks} blocks x {bs} tokens; a cap within --mem-fraction-static")
+        else:
+            b.map("--num-kv-blocks", blocks, "--num-gpu-blocks-override", str(blocks),
+                  note="replaces vLLM's profiled block count; it must fit in GPU memory")
+        b.map("--kv-cache-gb", e.kv_cache_gb, note="not used: --num-kv-blocks sizes the pool")
+        return
+    fraction = "--mem-fraction-static" if sglang else "--gpu-memory-utilization"
+    pin = ("a token count with --max-total-tokens" if sglang else
+           f"the same bytes with --kv-cache-memory-bytes {int(e.kv_cache_gb * 2**30) // tp} (per GPU)")
+    b.skip("--kv-cache-gb", e.kv_cache_gb, f"specserve's pool is a fixed size on one device; the engine gives its "
+           f"pool the GPU memory left after weights and activations ({fraction}, its default), which depends on "
+           f"the GPU it runs on; to pin the pool anyway, add {pin} to launch.sh")
+
+
+def _prefix_cache(b: _Builder, cfg: ServeConfig, sglang: bool, export_option: bool) -> None:
+    e = cfg.engine
+    if e.enable_prefix_cache:
+        b.map("--disable-radix-cache", False, note="prefix caching on: the engine default")
+    else:
+        b.map("--disable-radix-cache", True, "--disable-radix-cache" if sglang else "--no-enable-prefix-caching")
+    option = "--hierarchical-cache (export option)"
+    if e.hicache_gb > 0:
+        if sglang:
+            gb = max(1, round(e.hicache_gb * 2**30 / 1e9))
+            b.map("--enable-hierarchical-cache", True, "--enable-hierarchical-cache")
+            b.map("--hicache-size", e.hicache_gb, "--hicache-size", str(gb), note=f"SGLang takes whole GB of 1e9 "
+                  f"bytes: {e.hicache_gb:g} GiB = {e.hicache_gb * 2**30 / 1e9:.2f} GB")
+        else:
+            b.map("--enable-hierarchical-cache", True, note="vLLM's native CPU KV offloading")
+            b.map("--hicache-size", e.hicache_gb, "--kv-offloading-size", f"{e.hicache_gb:g}", note="GiB of host "
+                  "memory; evicted blocks are kept there and loaded back on a prefix hit")
+        if export_option:
+            b.map(option, True, note="already on from --enable-hierarchical-cache")
+        return
+    b.map("--enable-hierarchical-cache", False, note="no host KV tier: the engine default")
+    if export_option and sglang:
+        b.map(option, True, "--enable-hierarchical-cache", note="host tier sized by SGLang's --hicache-ratio default")
+    elif export_option:
+        b.skip(option, True, "vLLM's CPU KV offloading (--kv-offloading-size) needs a size; set "
+               "enable-hierarchical-cache and hicache-size in serve.yaml instead")
+
+
+def _execution(b: _Builder, cfg: ServeConfig, sglang: bool) -> None:
+    if cfg.overlap_schedule:
+        b.map("--disable-overlap-schedule", False, note="SGLang's overlap scheduler, on by default" if sglang else
+              "vLLM's async scheduling, on by default where the configuration supports it")
+    else:
+        b.map("--disable-overlap-schedule", True, "--disable-overlap-schedule" if sglang else "--no-async-scheduling")
+    if not cfg.engine.batch_invariant:
+        b.map("--enable-deterministic-inference", False, note="off: the engine default")
+    elif sglang:
+        b.map("--enable-deterministic-inference", True, "--enable-deterministic-inference",
+              note="batch-invariant ops; SGLang restricts the attention backend (and the radix cache with some)")
+    else:
+        b.env.append(("VLLM_BATCH_INVARIANT", "1"))
+        b.map("--enable-deterministic-inference", True, note="VLLM_BATCH_INVARIANT=1 in the environment file; "
+              "attention backends without batch-invariant kernels refuse to start")
+
+
+def _adaptive(b: _Builder, cfg: ServeConfig, sglang: bool) -> None:
+    s, on, profile = cfg.speculative, cfg.speculative_adaptive, cfg.speculative_adaptive_profile
+    if not s.enabled or not on:
+        b.map("--speculative-adaptive", on, note="plain decoding: nothing to adapt" if not s.enabled else
+              "the configured draft width every step: the engine default")
+        if profile:
+            b.map("--speculative-adaptive-profile", profile, note="not used without adaptive speculation")
+        return
+    lost = "so at high concurrency it may verify drafts that cost more than they return"
+    engine_adapts = sglang and s.algorithm == "EAGLE3" and s.eagle_topk == 1
+    if engine_adapts:
+        b.map("--speculative-adaptive", on, "--speculative-adaptive", note="SGLang picks the draft steps per "
+              "batch-size bucket from a running mean of accepted drafts (0 at large batches in its default table), "
+              "not from a measured cost profile")
+    elif sglang:
+        b.skip("--speculative-adaptive", on, f"SGLang adapts EAGLE/EAGLE3 chains (topk 1) only; {s.algorithm} with "
+               f"topk {s.eagle_topk} verifies the configured width every step, {lost}")
+    else:
+        b.skip("--speculative-adaptive", on, "vLLM verifies num_speculative_tokens every step at every batch size "
+               f"(its adaptive verification is for method dspark only), {lost}")
+    if profile:
+        tables = "; SGLang's --speculative-adaptive-config takes step tables per batch size: its default is used"
+        b.skip("--speculative-adaptive-profile", profile, "specserve's cost profile (step time per batch size and "
+               "verify width) has no engine format" + (tables if engine_adapts else ""))
 
 
 def _device(b: _Builder, device: str, sglang: bool) -> None:

@@ -37,6 +37,7 @@ from specserve.server.serve_config import (
 
 SERVICE = "specserve"
 API_KEY_VAR = "SPECSERVE_API_KEY"
+CACHE_DIR = f"/var/cache/{SERVICE}"  # systemd CacheDirectory=, owned by the service user
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,23 @@ def frozen_entries(cfg: ServeConfig) -> dict[str, Any]:
     if cfg.tool_call_parser:
         e["tool_call_parser"] = cfg.tool_call_parser
     e.update(shutdown_timeout=cfg.shutdown_timeout, log_level=cfg.log_level)
+    g = cfg.engine
+    e.update(max_num_seqs=g.max_num_seqs, max_num_batched_tokens=g.max_num_batched_tokens,
+             kv_block_size=g.kv_block_size, num_kv_blocks=g.num_kv_blocks, kv_cache_gb=g.kv_cache_gb,
+             disable_radix_cache=not g.enable_prefix_cache, enable_hierarchical_cache=g.hicache_gb > 0)
+    if g.hicache_gb > 0:
+        e["hicache_size"] = g.hicache_gb
+    e.update(disable_overlap_schedule=not cfg.overlap_schedule, enable_deterministic_inference=g.batch_invariant)
+    e.update(_speculative_entries(cfg))
+    e["speculative_adaptive"] = cfg.speculative_adaptive
+    if cfg.speculative_adaptive_profile:
+        e["speculative_adaptive_profile"] = str(Path(cfg.speculative_adaptive_profile).resolve())
+    return e
+
+
+def _speculative_entries(cfg: ServeConfig) -> dict[str, Any]:
     s = cfg.speculative
-    e["speculative_algorithm"] = s.algorithm
+    e: dict[str, Any] = {"speculative_algorithm": s.algorithm}
     if not s.enabled:
         return e
     if s.draft_model_path:
@@ -141,7 +157,9 @@ def freeze(fc: FreezeConfig) -> dict[str, Any]:
         user=fc.user, environment_file=target / f"{SERVICE}.env", working_directory=target,
         timeout_start_sec=fc.health_timeout + 60, timeout_stop_sec=math.ceil(cfg.shutdown_timeout) + 15,
         syslog_identifier=SERVICE,
-        extra_service=(("RestartPreventExitStatus", "2"),),  # 2 = unusable configuration or refused checkpoint
+        extra_service=(("RestartPreventExitStatus", "2"),  # 2 = unusable configuration or refused checkpoint
+                       # the service account has no home: a writable cache (adaptive cost profile) under /var/cache
+                       ("CacheDirectory", SERVICE), ("Environment", f"XDG_CACHE_HOME={CACHE_DIR}")),
     )
     now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     foreground = (f"set -a; . {target / (SERVICE + '.env')}; set +a; "
@@ -150,6 +168,7 @@ def freeze(fc: FreezeConfig) -> dict[str, Any]:
         directory=str(target), config_file=str(target / "serve.yaml"), exec_start=unit.exec_start,
         foreground=foreground, service=SERVICE, health_url=health_url, info_url=info_url, user=fc.user,
         model_dir=str(model_dir), drafter_dir=str(draft_dir) if draft_dir else None, hashes=hashes,
+        cache_dir=CACHE_DIR,
     )
 
     fc.out.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,9 @@ FLAG_ROLE = {
     "speculative_ngram_min_match": "shortest context suffix NGRAM looks up",
     "speculative_ngram_max_match": "longest context suffix NGRAM looks up",
     "speculative_ngram_max_breadth": "matches NGRAM merges into one draft tree",
+    "speculative_adaptive": "per step, verify as many drafts as pay at the current batch size (or none), from a "
+                            "measured cost profile",
+    "speculative_adaptive_profile": "the saved cost profile; measured again and rewritten when missing or stale",
 }
 
 
@@ -41,6 +44,7 @@ class DeploySummary:
     model_dir: str
     drafter_dir: str | None
     hashes: dict[str, dict[str, str]]  # "model" / "drafter" -> {file: sha256}
+    cache_dir: str = "/var/cache/specserve"  # the unit's CacheDirectory (XDG_CACHE_HOME of the service)
 
 
 def _f(v: float | None, spec: str = ".1f") -> str:
@@ -118,7 +122,8 @@ def render_production(cfg: ServeConfig, frozen: dict[str, Any], explicit: set[st
              f"- served as `{cfg.model_name}` on `{cfg.host}:{cfg.port}`, device `{cfg.device}`, dtype `{cfg.dtype}`, "
              f"queue limit {cfg.max_queue}, tool-call parser `{cfg.tool_call_parser or 'none'}`, API key "
              f"{'required (SPECSERVE_API_KEY in specserve.env)' if cfg.api_key else 'not required'}",
-             f"- runs as user `{d.user}`; in-flight requests get {cfg.shutdown_timeout:g} s to finish on stop", "",
+             f"- runs as user `{d.user}`; in-flight requests get {cfg.shutdown_timeout:g} s to finish on stop",
+             *_engine_lines(cfg, frozen, d), "",
              "### Speculative flags and why", "", *_flag_rows(frozen, explicit, ev), "", *_why(ev, spec.enabled), "",
              "## Start command", "", f"`{svc}.service` runs exactly:", "", "```", d.exec_start, "```", "",
              "In the foreground (debugging), with the same environment:", "", "```", d.foreground, "```", "",
@@ -145,6 +150,38 @@ def render_production(cfg: ServeConfig, frozen: dict[str, Any], explicit: set[st
     lines += ["## Known limits", "", *[f"- {x}" for x in known_limits(ev, spec.enabled)], ""]
     lines += _operations(cfg, d)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _engine_lines(cfg: ServeConfig, frozen: dict[str, Any], d: DeploySummary) -> list[str]:
+    """The engine settings that run, one bullet each, with the serve.yaml keys that set them."""
+    e = cfg.engine
+    if e.num_kv_blocks:
+        pool = f"{e.num_kv_blocks} blocks of {e.kv_block_size} tokens ({e.num_kv_blocks * e.kv_block_size} token slots)"
+    else:
+        pool = f"{e.kv_cache_gb:g} GiB of device memory in blocks of {e.kv_block_size} tokens"
+    host = (f"host tier of {e.hicache_gb:g} GiB keeps prefix blocks evicted from the device pool "
+            "(`enable-hierarchical-cache`, `hicache-size`)" if e.hicache_gb > 0 else "no host tier")
+    prefix = f"on, {host}" if e.enable_prefix_cache else f"off (`disable-radix-cache`), {host}"
+    overlap = ("on: step N's outputs are delivered while step N+1 runs" if cfg.overlap_schedule else
+               "off (`disable-overlap-schedule`): each step's outputs are delivered before the next starts")
+    deterministic = ("on (`enable-deterministic-inference`): batch-invariant forwards, a request's tokens do not "
+                     "depend on the rest of the batch" if e.batch_invariant else "off: tokens may vary with batching")
+    pinned = frozen.get("speculative_adaptive_profile")
+    profile = (f"`{pinned}` (the service user must be able to write it)" if pinned else
+               f"`{d.cache_dir}/specserve/adaptive/<key>.json` (the unit's CacheDirectory)")
+    if not cfg.speculative.enabled:
+        adaptive = "not used (plain decoding)"
+    elif cfg.speculative_adaptive:
+        adaptive = (f"on: per step, as many drafts as pay at the current batch size (or none); cost profile {profile}, "
+                    "measured at a start that finds it missing or stale, before /health answers")
+    else:
+        adaptive = "off (`no-speculative-adaptive`): the configured draft width every step"
+    return [f"- batching: up to {e.max_num_seqs} requests decoded together (`max-num-seqs`), "
+            f"{e.max_num_batched_tokens} tokens per engine step, prefill chunks and decode/verify tokens "
+            "(`max-num-batched-tokens`)",
+            f"- KV pool (`num-kv-blocks`, `kv-cache-gb`, `kv-block-size`): {pool}",
+            f"- prefix cache: {prefix}", f"- output/compute overlap: {overlap}",
+            f"- deterministic mode: {deterministic}", f"- adaptive speculation: {adaptive}"]
 
 
 def _operations(cfg: ServeConfig, d: DeploySummary) -> Sequence[str]:

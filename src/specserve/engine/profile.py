@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from tqdm import tqdm
 from specserve.engine.adaptive import CostProfile, measure_profile
 from specserve.engine.batch import BatchEngine
 from specserve.engine.runner import Row
+
+log = logging.getLogger("specserve.engine")
 
 PROFILE_CONTEXT = 128  # context tokens per row while timing
 
@@ -78,5 +81,8 @@ def engine_profile(engine: BatchEngine, path: Path | None = None, progress: bool
 
     profile = measure_profile(forward, key, batches, widths, progress=lambda done, _total: bar.update(1))
     bar.close()
-    profile.save(path)
+    try:
+        profile.save(path)
+    except OSError as e:  # an unwritable cache must not stop the server: use the profile, say it was not kept
+        log.warning("adaptive profile not saved to %s (%s); pass --speculative-adaptive-profile PATH", path, e)
     return profile, path
