@@ -79,8 +79,10 @@ def speculative_flags(spec: SpeculativeConfig) -> list[str]:
     return flags
 
 
-def plan_variants(model: str, configs: list[str], extra: list[str]) -> list[Variant]:
-    """NONE, then each config fixed, then each config adaptive; ValueError naming a bad --config."""
+def plan_variants(model: str, configs: list[str], extra: list[str],
+                  modes: tuple[str, ...] = ("fixed", "adaptive")) -> list[Variant]:
+    """NONE, then each config fixed, then each config adaptive (those of `modes`); ValueError naming a bad
+    --config."""
     common = [*extra, "--served-model-name", SERVED_NAME]  # the client asks for this name
     variants = [Variant(BASELINE, None, None, (*common, "--speculative-algorithm", "NONE"))]
     resolved = []
@@ -89,7 +91,7 @@ def plan_variants(model: str, configs: list[str], extra: list[str]) -> list[Vari
         if not spec.enabled:
             raise ValueError(f"--config {text!r}: NONE is always run as the baseline; give speculative configs")
         resolved.append((text, speculative_flags(spec)))
-    for adaptive in (False, True):
+    for adaptive in [m == "adaptive" for m in ("fixed", "adaptive") if m in modes]:
         for text, flags in resolved:
             switch = "--speculative-adaptive" if adaptive else "--no-speculative-adaptive"
             name = f"{text} {'adaptive' if adaptive else 'fixed'}"
@@ -242,6 +244,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per level (at least 2 x concurrency)")
     ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--modes", default="fixed,adaptive", help="which speculative variants to run besides NONE")
     ap.add_argument("--extra-serve-args", default="", help="appended to every `specserve serve`, e.g. '--device cpu'")
     ap.add_argument("--server-timeout", type=float, default=900.0,
                     help="seconds a server gets to answer /health (an adaptive server may profile first)")
@@ -253,7 +256,10 @@ def main() -> int:
             raise ValueError(f"--concurrency needs levels >= 1 like 1,4,16,32, got {a.concurrency}")
         if a.num_prompts < 1 or a.output_len < 1:
             raise ValueError("--num-prompts and --output-len must be >= 1")
-        variants = plan_variants(a.model, a.config or ["NGRAM"], shlex.split(a.extra_serve_args))
+        modes = tuple(m.strip() for m in a.modes.split(","))
+        if not modes or any(m not in ("fixed", "adaptive") for m in modes):
+            raise ValueError(f"--modes {a.modes!r}: a comma-separated subset of fixed,adaptive")
+        variants = plan_variants(a.model, a.config or ["NGRAM"], shlex.split(a.extra_serve_args), modes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,10 @@ def main() -> None:
         dest = ASSETS / f"demo-{kind}"
         export(ExportConfig(drafter=run, target="demo", out=dest, format=fmt, dtype="bfloat16"))
         rows = measure(algorithm, dest)
-        spec = resolve(algorithm, dest)
+        spec = replace(resolve(algorithm, dest), draft_model_path=dest.name)  # the bundled name, not this path
         (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, run, meta, rows, cmd, spec))
+        readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
+        readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))
         (dest / "acceptance.json").write_text(json.dumps(rows, indent=1) + "\n")
         print(json.dumps({"drafter": str(dest), "views": rows}))
 

@@ -121,6 +121,21 @@ def test_high_acceptance_cheap_drafting_takes_the_max_width() -> None:
     assert slow.choose(1) == 0
 
 
+def test_plain_host_cost_counts_against_plain_decoding() -> None:
+    """Host work per request of plain steps (sampling, commits, drafter bookkeeping) enters plain's rate, so a
+    speculative round that costs 1.5 extra forward-equivalents per request wins once plain steps pay as much."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    for _ in range(20):
+        policy.record_accept(1, 4)  # one draft accepted per round: E[tokens] = 2
+    policy.record_draft(1.5)
+    assert policy.choose(1) == 0  # plain: 1 token / T(1,1) = 1; speculation: 2 / (T(1,w+1) + 1.5) ~ 0.8
+    before = policy.rate(1, 0)
+    policy.record_plain(1.5)
+    assert policy.rate(1, 0) == pytest.approx(1 / (flat().cost(1, 1) + 1.5))
+    assert policy.rate(1, 0) < before
+    assert policy.choose(1) > 0
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
     policy = AdaptivePolicy(steep(), max_width=4, tree=tree, explore_every=4)

@@ -211,7 +211,7 @@ def test_cached_context_equals_recomputed(draft: DFlashDraftModel, target: Causa
         new = torch.randn(k + 1, 128, generator=gen)
         d.accept([root, *range(k)], new, next_root=1)
         feats = torch.cat((feats, new))
-    assert d.length == feats.shape[0]
+    assert d.context_tokens == feats.shape[0]  # queued by accept, cached at the next propose
 
 
 def test_block_attention_is_bidirectional_and_bounded(draft: DFlashDraftModel, target: CausalLM,

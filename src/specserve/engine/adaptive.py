@@ -3,10 +3,11 @@
 Inputs:
 - a cost profile, measured once (`measure_profile`) and saved: seconds of one target forward for
   batch b x q new tokens per row (q = 1 is plain decoding, q = w + 1 verifies w drafts);
-- drafting cost per request and round, measured online;
+- host cost per request (drafting, masks, verification, commit: the step minus its target forward), measured
+  online for speculating steps and for plain steps;
 - acceptance, measured online: P(at least i drafts accepted) from the rounds that verified the full width.
 For b running requests the policy scores every candidate width w (0 = plain decoding):
-    rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * draft_s)          E[tokens | 0] = 1, no drafting
+    rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * host_s(w))      E[tokens | 0] = 1
 and takes the best. Chains can be cut to any width (E = 1 + sum_{i<=w} P(accepted >= i)); trees are
 verified whole or not at all. When plain decoding has won for a while, one step in `explore_every`
 verifies the full width anyway, so the acceptance estimate follows the traffic.
@@ -101,7 +102,9 @@ class AdaptivePolicy:
         self.decay = decay
         self._at_least = [0.0] * max_width  # [i]: decayed count of full-width rounds accepting >= i+1 drafts
         self._rounds = 0.0  # decayed count of full-width rounds
-        self._draft_s: float | None = None  # seconds of drafting per request and round (EMA)
+        self._draft_s: float | None = None  # host seconds per request of a speculating step (EMA): drafting,
+        # tree masks, verification, KV compaction, commit — everything but the target forward
+        self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
         self._plain_streak = 0
         self.choices: dict[int, int] = {}  # width -> steps that chose it
 
@@ -114,8 +117,13 @@ class AdaptivePolicy:
             self._at_least[i] = self._at_least[i] * self.decay + (1.0 if i < accepted else 0.0)
 
     def record_draft(self, seconds_per_request: float) -> None:
+        """Host time per request of a step that verified drafts (all of the step but the target forward)."""
         s = self._draft_s
         self._draft_s = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
+
+    def record_plain(self, seconds_per_request: float) -> None:
+        """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
+        self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
 
     def expected_tokens(self, width: int) -> float:
         if width == 0 or self._rounds == 0:
@@ -125,7 +133,7 @@ class AdaptivePolicy:
     def rate(self, batch: int, width: int) -> float:
         """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
         if width == 0:
-            return batch / self.profile.cost(batch, 1)
+            return batch / (self.profile.cost(batch, 1) + self._plain_s * batch)
         draft = (self._draft_s or 0.0) * batch
         return batch * self.expected_tokens(width) / (self.profile.cost(batch, width + 1) + draft)
 

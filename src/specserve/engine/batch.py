@@ -242,9 +242,9 @@ class BatchEngine:
         return self._commit(req, chunk.num_tokens, [token])
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
+        t0, f0 = time.perf_counter(), self.counters.forward_s
         trees: list[DraftTree] = []
         rows: list[Row] = []
-        t0 = time.perf_counter()
         for item in items:
             req = self._requests[item.seq.request_id]
             tree = self._draft(req, item, k)
@@ -258,12 +258,13 @@ class BatchEngine:
             ))
         if k > 0:
             self.counters.spec_steps += 1
-            if self.policy is not None:
-                self.policy.record_draft((time.perf_counter() - t0) / len(items))
         results = self._forward(rows)
         outs: list[StepOutput] = []
         for item, tree, res in zip(items, trees, results, strict=True):
             outs += self._verify(item, tree, res, speculated=k > 0)
+        if self.policy is not None:  # host time per request of this decode pass (all of it but the forward)
+            host = (time.perf_counter() - t0 - (self.counters.forward_s - f0)) / len(items)
+            (self.policy.record_draft if k > 0 else self.policy.record_plain)(host)
         return outs
 
     def _draft(self, req: _Request, item: DecodeItem, k: int) -> DraftTree:

@@ -8,7 +8,8 @@ token in the target's KV, at that token's position). A round:
       its mask stands for (no shift: row i fills mask i). The block's own K/V are never cached.
       chain  -> the first num_draft_tokens-1 argmaxes as a chain;
       ddtree -> build_ddtree over the bs-1 per-position log-distributions, budget num_draft_tokens.
-  accept(tokens, hidden, next_root): project and cache the context K/V of the accepted tokens only.
+  accept(tokens, hidden, next_root): queue the accepted tokens' states; the next propose projects and caches
+      their context K/V (in one forward, however many rounds ran without speculation in between).
 Drafts are deterministic (argmax / best prefixes) even when the request samples, as in the reference, so
 trees carry draft_probs None and verify by sample-and-descend.
 """
@@ -43,7 +44,8 @@ class DFlashDrafter(Drafter):
         self.device, self.dtype = weight.device, weight.dtype
         self.cache = KVCache.allocate(cfg.body, 1, max_len, self.device, self.dtype,
                                       num_layers=cfg.body.num_hidden_layers)
-        self.length = 0  # context slots filled = tokens in the target's KV
+        self.length = 0  # context slots filled = tokens in the target's KV (once `_pending` is flushed)
+        self._pending: list[torch.Tensor] = []  # [T_i, n*H] captured states accepted since the last propose
         self._block_ids = torch.full((1, self.block_size), cfg.mask_token_id, dtype=torch.long, device=self.device)
         self._offsets = torch.arange(self.block_size, device=self.device)
 
@@ -51,11 +53,25 @@ class DFlashDrafter(Drafter):
         if hidden is None:
             raise ValueError("DFLASH needs the target's hidden states: run the prefill with capture=drafter.capture")
         self.length = 0
+        self._pending = []
         self._append(hidden)
 
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
+        """Queue the accepted tokens' states; they enter the context cache in one forward at the next propose
+        (rounds without speculation then cost no drafter forward)."""
         assert hidden is not None and hidden.shape[0] == len(tokens), "accept needs one hidden row per token"
-        self._append(hidden)
+        self._pending.append(hidden)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose target states the drafter holds: in the context cache or queued for it."""
+        return self.length + sum(int(h.shape[0]) for h in self._pending)
+
+    def _flush(self) -> None:
+        if self._pending:
+            hidden = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending = []
+            self._append(hidden)
 
     def _append(self, hidden: torch.Tensor) -> None:
         """hidden [T, n*H] captured target states of the next T committed tokens."""
@@ -66,6 +82,7 @@ class DFlashDrafter(Drafter):
 
     def block_log_probs(self, root: int) -> torch.Tensor:
         """[bs-1, V] float32: row i-1 = log-distribution of the token at position P+i (mask i of the block)."""
+        self._flush()
         ids = self._block_ids.clone()
         ids[0, 0] = root
         noise = self.target.embed(ids).to(self.dtype)  # [1, bs, H]

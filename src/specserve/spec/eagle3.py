@@ -7,6 +7,8 @@ its output predicts token j+2. The last pair of a committed stretch waits for it
                                    [P-n, P), P = tokens in the target KV); then drafting
   accept([root, a1..ak], hidden)   pending = the k+1 accepted features, tokens a1..ak; the pair
                                    (feature of ak, next_root) completes at the next propose
+  skip(root)                       (a round without drafts) root joins the pending tokens; pending pairs
+                                   accumulate until the next propose commits them in one forward
 Draft entries (fed with the drafter's own output features, no fc) sit in slots P, P+1, ... and are
 dropped by not counting them: the next commit overwrites them. Tree nodes sit there too, each attending
 to the committed prefix, its ancestors and itself; a node of depth d has position P + d - 1.
@@ -65,8 +67,11 @@ class Eagle3Drafter(Drafter):
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
         if hidden is None or hidden.shape[0] != len(tokens):
             raise ValueError("EAGLE3 needs the target's captured states of every accepted token")
-        assert self._pending_hidden is None and tokens[0] == self._root, "accept() must follow propose(root)"
-        self._pending_hidden, self._pending_tokens, self._root = hidden, list(tokens[1:]), next_root
+        assert tokens[0] == self._root, "accept() must follow propose(root) or skip(root)"
+        pending = self._pending_hidden  # not None after skip(): those pairs wait for the next propose
+        self._pending_hidden = hidden if pending is None else torch.cat((pending, hidden))
+        self._pending_tokens += list(tokens[1:])
+        self._root = next_root
 
     @torch.inference_mode()
     def propose(self, root: int) -> DraftTree:
@@ -78,11 +83,12 @@ class Eagle3Drafter(Drafter):
             return self._chain(root, feat)
         return self._tree(root, feat)
 
-    @torch.inference_mode()
     def skip(self, root: int) -> None:
-        """Commit the pending pairs with `root` (as `propose` does) without drafting."""
+        """No drafting this round: `root` completes the last pending pair, and the pending pairs stay pending,
+        so rounds without speculation cost no drafter forward; the next `propose` commits them all at once."""
         assert self._pending_hidden is not None, "skip() must follow prefill() or accept()"
-        self._commit(root)
+        assert self._root is None or self._root == root, "skip(root) must get accept()'s next_root"
+        self._pending_tokens.append(root)
         self._root = root
 
     def _run(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, start: int,
