@@ -154,12 +154,16 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield srv
 
 
+def fixed_speculation(tiny_dir: Path, *flags: str) -> list[str]:
+    """Serve flags for the tiny model with speculation at a fixed width (every step verifies)."""
+    return ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny", *flags,
+            "--no-speculative-adaptive"]
+
+
 @pytest.fixture(scope="module")
 def spec_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("spec")
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
-            "--speculative-algorithm", "NGRAM", "--no-speculative-adaptive"]
-    with running_server(args, d / "log") as srv:
+    with running_server(fixed_speculation(tiny_dir, "--speculative-algorithm", "NGRAM"), d / "log") as srv:
         yield srv
 
 
@@ -168,9 +172,8 @@ def chain_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, llm: 
     """EAGLE-3 chain speculation with a random drafter (accepts little; exactness is the point)."""
     d = tmp_path_factory.mktemp("chain")
     init_random_eagle3(llm.config, d / "eagle3", seed=4)
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
-            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(d / "eagle3"),
-            "--speculative-num-steps", "3", "--no-speculative-adaptive"]
+    args = fixed_speculation(tiny_dir, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                             str(d / "eagle3"), "--speculative-num-steps", "3")
     with running_server(args, d / "log") as srv:
         yield srv
 
@@ -180,9 +183,8 @@ def ddtree_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, llm:
     """DFlash block drafts verified as a DDTree, random drafter."""
     d = tmp_path_factory.mktemp("ddtree")
     init_random_dflash(llm.config, d / "dflash", seed=3, block_size=8)
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
-            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(d / "dflash"),
-            "--speculative-tree", "ddtree", "--speculative-num-draft-tokens", "8", "--no-speculative-adaptive"]
+    args = fixed_speculation(tiny_dir, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+                             str(d / "dflash"), "--speculative-tree", "ddtree", "--speculative-num-draft-tokens", "8")
     with running_server(args, d / "log") as srv:
         yield srv
 
