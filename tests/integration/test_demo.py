@@ -54,7 +54,7 @@ def test_bundled_drafters_are_small_documented_and_match_the_target() -> None:
         assert (d / "MODEL_CARD.md").exists() and (d / "acceptance.json").exists()
         assert json.loads((d / "config.json").read_text())["architectures"] == [arch]
         sizes += sum(f.stat().st_size for f in d.iterdir())
-    assert sizes + sum(f.stat().st_size for f in resolve_model_path("demo").iterdir()) < 40e6
+    assert sizes + sum(f.stat().st_size for f in resolve_model_path("demo").iterdir()) < 40 * 2**20  # 40 MiB
 
 
 def test_every_drafter_is_exact_on_the_demo(demo: LLM) -> None:
