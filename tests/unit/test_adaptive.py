@@ -231,3 +231,23 @@ def test_engine_profile_refuses_a_busy_or_small_engine(llm: LLM, tmp_path: Path)
         engine_profile(tiny_engine(llm, num_kv_blocks=8), tmp_path / "b.json", progress=False)
     assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
 
+
+
+def test_measured_rates_overrule_the_model() -> None:
+    """The model (free drafting, full acceptance) picks speculation; passes measured at this batch size show plain
+    decoding producing more tokens per second, so plain wins, and speculation is still re-tried now and then."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4)
+    for _ in range(20):
+        policy.record_accept(4, 4)
+    policy.record_draft(0.0)
+    assert policy.choose(2) == 4  # nothing measured at batch 2
+    policy.record_pass(2, True, tokens=10, seconds=1.0)
+    assert policy.choose(2) == 0  # speculation measured, plain not yet: measure it once
+    policy.record_pass(2, False, tokens=30, seconds=1.0)
+    picks = [policy.choose(2) for _ in range(8)]
+    assert picks.count(0) >= 6 and 4 in picks  # plain is faster here; speculation explored
+    assert policy.choose(1) == 4 and policy.choose(8) == 4  # other batch sizes: their own measurements (none)
+    policy.record_pass(2, True, tokens=100, seconds=1.0)
+    policy.record_pass(2, True, tokens=100, seconds=1.0)
+    policy.record_pass(2, True, tokens=100, seconds=1.0)
+    assert policy.choose(2) == 4  # speculation has become faster at batch 2

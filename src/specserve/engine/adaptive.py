@@ -106,6 +106,9 @@ class AdaptivePolicy:
         # tree masks, verification, KV compaction, commit — everything but the target forward
         self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
         self._plain_streak = 0
+        self._model_streak = 0  # steps since plain decoding was last tried where measurements favour speculation
+        # realized output tokens/s of decode passes, per batch bucket (power of two) and speculating or not (EMA)
+        self._realized: dict[tuple[int, bool], float] = {}
         self.choices: dict[int, int] = {}  # width -> steps that chose it
 
     def record_accept(self, accepted: int, width: int) -> None:
@@ -124,6 +127,18 @@ class AdaptivePolicy:
     def record_plain(self, seconds_per_request: float) -> None:
         """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
         self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
+
+    def record_pass(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode pass of `batch` requests (drafting, forward, verification) produced `tokens` in `seconds`."""
+        if seconds <= 0:
+            return
+        key = (_bucket(batch), speculated)
+        rate = tokens / seconds
+        old = self._realized.get(key)
+        self._realized[key] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def realized(self, batch: int, speculated: bool) -> float | None:
+        return self._realized.get((_bucket(batch), speculated))
 
     def expected_tokens(self, width: int) -> float:
         if width == 0 or self._rounds == 0:
@@ -146,6 +161,7 @@ class AdaptivePolicy:
         else:
             widths = [0, max_width] if self.tree else list(range(max_width + 1))
             best = max(widths, key=lambda w: self.rate(batch, w))
+            best = self._check_realized(batch, best)
             if best == 0:
                 self._plain_streak += 1
                 if self._plain_streak >= self.explore_every:
@@ -154,3 +170,27 @@ class AdaptivePolicy:
                 self._plain_streak = 0
         self.choices[best] = self.choices.get(best, 0) + 1
         return best
+
+    def _check_realized(self, batch: int, best: int) -> int:
+        """The model's pick, unless the rates measured at this batch size say the other side is faster.
+
+        The model misses costs it does not see (padding, cache misses, contention); measured rates do not. When
+        speculation is picked, plain decoding is still tried one step in `explore_every` to keep its rate fresh.
+        """
+        if best == 0:
+            return 0
+        plain, spec = self.realized(batch, False), self.realized(batch, True)
+        if plain is None and spec is None:
+            return best  # nothing measured at this batch size yet: trust the model
+        self._model_streak += 1
+        if plain is None or self._model_streak >= self.explore_every:
+            self._model_streak = 0
+            return 0 if plain is None or spec is not None else best  # measure plain here once, then refresh
+        if spec is not None and plain > spec:
+            return 0
+        return best
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...) for the measured rates."""
+    return 1 << max(0, batch - 1).bit_length()

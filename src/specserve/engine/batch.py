@@ -263,8 +263,10 @@ class BatchEngine:
         for item, tree, res in zip(items, trees, results, strict=True):
             outs += self._verify(item, tree, res, speculated=k > 0)
         if self.policy is not None:  # host time per request of this decode pass (all of it but the forward)
-            host = (time.perf_counter() - t0 - (self.counters.forward_s - f0)) / len(items)
+            elapsed = time.perf_counter() - t0
+            host = (elapsed - (self.counters.forward_s - f0)) / len(items)
             (self.policy.record_draft if k > 0 else self.policy.record_plain)(host)
+            self.policy.record_pass(len(items), k > 0, sum(len(o.new_token_ids) for o in outs), elapsed)
         return outs
 
     def _draft(self, req: _Request, item: DecodeItem, k: int) -> DraftTree:
