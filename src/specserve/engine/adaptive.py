@@ -180,16 +180,15 @@ class AdaptivePolicy:
         if best == 0:
             return 0
         plain, spec = self.realized(batch, False), self.realized(batch, True)
-        if plain is None and spec is None:
-            return best  # nothing measured at this batch size yet: trust the model
+        if spec is None:
+            return best  # speculation not measured at this batch size yet: trust the model
+        if plain is None:
+            return 0  # measure plain decoding here once
         self._model_streak += 1
-        if plain is None or self._model_streak >= self.explore_every:
+        if self._model_streak >= self.explore_every:  # keep plain's rate fresh
             self._model_streak = 0
-            return 0 if plain is None or spec is not None else best  # measure plain here once, then refresh
-        if spec is not None and plain > spec:
             return 0
-        return best
-
+        return 0 if plain > spec else best
 
 def _bucket(batch: int) -> int:
     """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...) for the measured rates."""

@@ -115,7 +115,7 @@ class BatchEngine:
         self.max_context = mcfg.max_position_embeddings
         self.capture = drafters.capture if drafters is not None else ()
         self.max_draft = drafters.max_tree_nodes - 1 if drafters is not None else 0
-        block_bytes = PagedKVCache(mcfg, 1, config.kv_block_size, torch.device("meta"), dtype).bytes_per_block
+        block_bytes = PagedKVCache.block_bytes(mcfg, config.kv_block_size, dtype)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gb * 2**30 // block_bytes))
         self.kv = PagedKVCache(mcfg, num_blocks, config.kv_block_size, device, dtype)
         self.pool = BlockPool(num_blocks, config.kv_block_size)

@@ -31,6 +31,13 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.device = device
 
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """Bytes of K and V of one block over all layers (sizes the pool and the host tier before allocating)."""
+        layers = cfg.num_hidden_layers if num_layers is None else num_layers
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
     @property
     def bytes_per_block(self) -> int:
         t = self.k[0]
