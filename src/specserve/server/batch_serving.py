@@ -118,8 +118,8 @@ class BatchServingEngine:
         with self._cv:
             if self._closed or self._loop is None:
                 raise EngineClosed("the server is not accepting requests (shutting down)")
-            # requests whose abort is pending do not count: they leave at the next step boundary
-            waiting = max(0, self._engine.scheduler.num_waiting - len(self._aborts)) + len(self._inbox)
+            # aborts pending for the worker still count: they may be running requests, not waiting ones
+            waiting = self._engine.scheduler.num_waiting + len(self._inbox)
             if waiting + len(requests) > self._max_queue:
                 raise QueueFull(f"{waiting} requests are waiting (--max-queue {self._max_queue})")
             for i, r in enumerate(requests):
@@ -227,16 +227,16 @@ class BatchServingEngine:
                     return
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
+            for rid in aborts:  # first: their places in the waiting queue go to the new requests
+                running = self._jobs.get(rid)
+                if running is not None and e.abort(rid):
+                    self._post(partial(self._finish, running, "abort"))
             for job in inbox:
                 rid = job.request.request_id
                 try:
                     e.add_request(rid, list(job.request.prompt_ids), job.request.params)
                 except (ValueError, QueueFull) as err:  # the app checks lengths first; this is the engine's last word
                     self._post(partial(self._finish, job, "error", str(err)))
-            for rid in aborts:
-                running = self._jobs.get(rid)
-                if running is not None and e.abort(rid):
-                    self._post(partial(self._finish, running, "abort"))
             if not e.has_unfinished:
                 continue
             try:

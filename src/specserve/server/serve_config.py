@@ -193,7 +193,10 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level, speculative=speculative_from_args(ns),
         engine=EngineConfig(
             num_kv_blocks=ns.num_kv_blocks, kv_block_size=ns.kv_block_size, kv_cache_gb=ns.kv_cache_gb,
-            max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, max_waiting=ns.max_queue,
+            max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+            # the server admits at most --max-queue waiting requests; preempted ones come back to the waiting
+            # queue on top, so the engine's own bound leaves room for them: an admitted request is never refused
+            max_waiting=max(ns.max_queue, 1) + ns.max_num_seqs,
             enable_prefix_cache=not ns.disable_radix_cache,
             hicache_gb=ns.hicache_size if ns.enable_hierarchical_cache else 0.0,
             batch_invariant=ns.enable_deterministic_inference,
