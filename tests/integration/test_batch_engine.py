@@ -306,34 +306,80 @@ def with_prefix(prefix: list[int], n: int, seed: int) -> list[list[int]]:
     return [prefix + torch.randint(3, 300, (3 + 2 * i,), generator=gen).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram-trie"])
-def test_prefix_cache_hits_stay_exact(llm: LLM, builders: dict[str, DrafterBuilder | None], name: str) -> None:
-    prefix = torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(7)).tolist()
-    waves = [with_prefix(prefix, 4, 1), with_prefix(prefix, 4, 2)]
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    eng = engine(llm, builders[name], kv_block_size=4, num_kv_blocks=256)
-    assert eng.cache is not None
+class RecordingBuilder:
+    """A `DrafterBuilder` whose drafters record the target states their prefill receives."""
+
+    def __init__(self, inner: DrafterBuilder) -> None:
+        self.inner = inner
+        self.prefills: list[tuple[list[int], torch.Tensor]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def for_request(self, *args: Any, **kwargs: Any) -> Any:
+        drafter = self.inner.for_request(*args, **kwargs)
+        prefill = drafter.prefill
+
+        def recorded(ids: list[int], hidden: torch.Tensor | None) -> None:
+            assert hidden is not None and hidden.shape[0] == len(ids)
+            self.prefills.append((list(ids), hidden.clone()))
+            prefill(ids, hidden)
+
+        drafter.prefill = recorded
+        return drafter
+
+
+def run_waves(eng: BatchEngine, waves: list[list[list[int]]], params: SamplingParams) -> Run:
     run = Run(eng)
     for w, wave in enumerate(waves):
         for i, p in enumerate(wave):
             run.add(f"{w}-{i}", p, params)
         run.drain()
-        if w == 0:
-            hits_after_first = eng.cache.stats.hit_tokens
+    return run
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram-trie", "eagle3-chain", "dflash-ddtree"])
+def test_prefix_cache_hits_stay_exact(llm: LLM, builders: dict[str, DrafterBuilder | None], name: str) -> None:
+    """Second-wave requests skip the shared prefix and still decode exactly; drafters that read the target's
+    states get, for the cached positions, the states stored with the blocks (equal to recomputed ones)."""
+    prefix = torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(7)).tolist()
+    waves = [with_prefix(prefix, 4, 1), with_prefix(prefix, 4, 2)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    builder = builders[name]
+    recorder = RecordingBuilder(builder) if builder is not None and builder.capture else None
+    eng = engine(llm, recorder or builder, kv_block_size=4, num_kv_blocks=256)
+    assert eng.cache is not None
+    run = run_waves(eng, waves[:1], params)
+    hits_after_first = eng.cache.stats.hit_tokens
+    for i, p in enumerate(waves[1]):
+        run.add(f"1-{i}", p, params)
+    run.drain()
     # each request of the second wave finds at least the prefix's full blocks
     assert eng.cache.stats.hit_tokens - hits_after_first >= 4 * (len(prefix) // 4 * 4)
     for w, wave in enumerate(waves):
         for i, p in enumerate(wave):
             assert run.tokens[f"{w}-{i}"] == plain_ref(llm, p, params), (w, i)
     assert_no_leak(eng)
+    if recorder is not None:  # the same prompts without the cache: every state recomputed
+        fresh = RecordingBuilder(recorder.inner)
+        run_waves(engine(llm, fresh, kv_block_size=4, num_kv_blocks=256,
+                         enable_prefix_cache=False), waves, params)
+        assert [ids for ids, _ in recorder.prefills] == [ids for ids, _ in fresh.prefills]
+        for (_, cached), (_, recomputed) in zip(recorder.prefills, fresh.prefills, strict=True):
+            torch.testing.assert_close(cached, recomputed, rtol=1e-4, atol=1e-4)
 
 
-def test_host_tier_round_trip_stays_exact(llm: LLM, builders: dict[str, DrafterBuilder | None]) -> None:
-    """Wave 1 is cached; unrelated middle prompts push its blocks to the host tier; wave 3 brings them back."""
+@pytest.mark.parametrize("name", ["ngram-trie", "eagle3-chain"])
+def test_host_tier_round_trip_stays_exact(llm: LLM, builders: dict[str, DrafterBuilder | None], name: str) -> None:
+    """Wave 1 is cached; unrelated middle prompts push its blocks to the host tier; wave 3 brings them back
+    (with the target states stored per slot, for EAGLE-3)."""
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    block_bytes = PagedKVCache(llm.config, 1, 4, torch.device("meta"), llm.dtype).bytes_per_block
+    builder = builders[name]
+    features = len(builder.capture) * llm.config.hidden_size if builder is not None else 0
+    block_bytes = PagedKVCache(llm.config, 1, 4, torch.device("meta"), llm.dtype,
+                               feature_dim=features).bytes_per_block
     host_blocks = 64  # room for everything evicted below: nothing is dropped from the host tier
-    eng = engine(llm, builders["ngram-trie"], kv_block_size=4, num_kv_blocks=16,
+    eng = engine(llm, builder, kv_block_size=4, num_kv_blocks=16,
                  hicache_gb=(host_blocks + 0.5) * block_bytes / 2**30)
     assert eng.cache is not None and eng.host is not None and eng.host.capacity == host_blocks
     gen = torch.Generator().manual_seed(11)
@@ -396,13 +442,16 @@ def test_abort_frees_blocks_and_others_finish(llm: LLM, builders: dict[str, Draf
     assert_no_leak(eng)
 
 
-# -- f. drafters reading the target's hidden states run without the prefix cache
+# -- f. drafters reading the target's hidden states keep them per KV slot, so the prefix cache stays on
 
 
-def test_prefix_cache_off_for_hidden_state_drafters(llm: LLM, builders: dict[str, DrafterBuilder | None]) -> None:
+def test_hidden_state_drafters_keep_features_per_slot(llm: LLM, builders: dict[str, DrafterBuilder | None]) -> None:
     for name in SPECS:
         eng = engine(llm, builders[name], num_kv_blocks=8)
         captures = name.startswith(("eagle3", "dflash"))
-        assert (eng.cache is None) == captures, name
+        assert eng.cache is not None, name
         assert bool(eng.capture) == captures, name
+        assert (eng.kv.features is not None) == captures, name
+        if eng.kv.features is not None:
+            assert eng.kv.features.shape == (8 * 16 + 1, len(eng.capture) * llm.config.hidden_size)
     assert engine(llm, None, num_kv_blocks=8, enable_prefix_cache=False).cache is None

@@ -3,6 +3,7 @@ measure-once-then-load profile of a real (tiny) engine."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -251,3 +252,40 @@ def test_measured_rates_overrule_the_model() -> None:
     policy.record_pass(2, True, tokens=100, seconds=1.0)
     policy.record_pass(2, True, tokens=100, seconds=1.0)
     assert policy.choose(2) == 4  # speculation has become faster at batch 2
+
+
+def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
+    """Passes at batch 2 measure plain decoding at 30 tok/s and speculation at 10: each try that confirms it
+    doubles the wait, so over 400 steps speculation is tried a handful of times, not once in 4 steps."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_max=256)
+    for _ in range(20):
+        policy.record_accept(4, 4)
+    policy.record_draft(0.0)
+    picks = []
+    for _ in range(400):
+        w = policy.choose(2)
+        picks.append(w)
+        policy.record_pass(2, w > 0, tokens=10 if w > 0 else 30, seconds=1.0)
+    tries = [i for i, w in enumerate(picks) if w > 0]
+    assert 3 <= len(tries) <= 8, tries
+    gaps = [b - a for a, b in itertools.pairwise(tries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 64  # the waits grow
+    policy.record_pass(2, True, tokens=500, seconds=1.0)  # speculation has become the faster: tries come back
+    policy.record_pass(2, True, tokens=500, seconds=1.0)
+    assert 4 in [policy.choose(2) for _ in range(8)]
+
+
+def test_no_exploration_where_speculation_cannot_win() -> None:
+    """Drafting as slow as 5 target forwards per request: even with every draft accepted speculation loses, so
+    it is only re-measured after `explore_max` plain steps."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=False, explore_every=4, explore_max=64)
+    for _ in range(20):
+        policy.record_accept(4, 4)
+    policy.record_draft(5.0)
+    picks = [policy.choose(1) for _ in range(128)]
+    assert [i for i, w in enumerate(picks) if w > 0] == [63, 127]
+
+
+def test_exploration_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="explore_every <= explore_max"):
+        AdaptivePolicy(flat(), max_width=4, tree=False, explore_every=32, explore_max=16)

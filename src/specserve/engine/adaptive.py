@@ -9,8 +9,13 @@ Inputs:
 For b running requests the policy scores every candidate width w (0 = plain decoding):
     rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * host_s(w))      E[tokens | 0] = 1
 and takes the best. Chains can be cut to any width (E = 1 + sum_{i<=w} P(accepted >= i)); trees are
-verified whole or not at all. When plain decoding has won for a while, one step in `explore_every`
-verifies the full width anyway, so the acceptance estimate follows the traffic.
+verified whole or not at all.
+
+Exploration keeps the estimates fresh without paying for it: while plain decoding wins at a batch size, a
+full-width step is tried after `explore_every` plain steps, but only where speculation could win at all
+(with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
+(up to `explore_max` steps; a try where speculation wins resets it). At high concurrency a speculative step
+can cost several plain ones, so trying it every few steps would itself lose to plain decoding.
 """
 
 from __future__ import annotations
@@ -92,20 +97,25 @@ def measure_profile(
 
 class AdaptivePolicy:
     def __init__(self, profile: CostProfile, max_width: int, tree: bool, explore_every: int = 16,
-                 decay: float = 0.98) -> None:
+                 decay: float = 0.98, explore_max: int = 512) -> None:
         if max_width < 1:
             raise ValueError(f"adaptive speculation needs a draft width >= 1, got {max_width}")
+        if not 1 <= explore_every <= explore_max:
+            raise ValueError(f"adaptive speculation: need 1 <= explore_every <= explore_max, got {explore_every}, "
+                             f"{explore_max}")
         self.profile = profile
         self.max_width = max_width
         self.tree = tree  # verify whole trees or nothing; chains may be cut to any width
         self.explore_every = explore_every
+        self.explore_max = explore_max
         self.decay = decay
         self._at_least = [0.0] * max_width  # [i]: decayed count of full-width rounds accepting >= i+1 drafts
         self._rounds = 0.0  # decayed count of full-width rounds
         self._draft_s: float | None = None  # host seconds per request of a speculating step (EMA): drafting,
         # tree masks, verification, KV compaction, commit — everything but the target forward
         self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
-        self._plain_streak = 0
+        self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
+        self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
         self._model_streak = 0  # steps since plain decoding was last tried where measurements favour speculation
         # realized output tokens/s of decode passes, per batch bucket (power of two) and speculating or not (EMA)
         self._realized: dict[tuple[int, bool], float] = {}
@@ -132,10 +142,15 @@ class AdaptivePolicy:
         """A decode pass of `batch` requests (drafting, forward, verification) produced `tokens` in `seconds`."""
         if seconds <= 0:
             return
-        key = (_bucket(batch), speculated)
+        bucket = _bucket(batch)
         rate = tokens / seconds
-        old = self._realized.get(key)
-        self._realized[key] = rate if old is None else 0.8 * old + 0.2 * rate
+        old = self._realized.get((bucket, speculated))
+        self._realized[(bucket, speculated)] = rate if old is None else 0.8 * old + 0.2 * rate
+        plain = self._realized.get((bucket, False))
+        if speculated and plain is not None:  # back off the tries where speculation keeps losing
+            gap = self._explore_gap.get(bucket, self.explore_every)
+            lost = self._realized[(bucket, True)] < plain
+            self._explore_gap[bucket] = min(2 * gap, self.explore_max) if lost else self.explore_every
 
     def realized(self, batch: int, speculated: bool) -> float | None:
         return self._realized.get((_bucket(batch), speculated))
@@ -162,14 +177,24 @@ class AdaptivePolicy:
             widths = [0, max_width] if self.tree else list(range(max_width + 1))
             best = max(widths, key=lambda w: self.rate(batch, w))
             best = self._check_realized(batch, best)
-            if best == 0:
-                self._plain_streak += 1
-                if self._plain_streak >= self.explore_every:
-                    best = max_width
-            if best > 0:
-                self._plain_streak = 0
+            if best == 0 and self._explore(batch):
+                best = max_width
+        if best > 0:
+            self._plain_streak[_bucket(batch)] = 0
         self.choices[best] = self.choices.get(best, 0) + 1
         return best
+
+    def _explore(self, batch: int) -> bool:
+        """Plain decoding was picked: try the full width now? (See the module docstring.)"""
+        bucket = _bucket(batch)
+        streak = self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1
+        if streak >= self.explore_max:
+            return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
+        if streak < self._explore_gap.get(bucket, self.explore_every):
+            return False
+        draft = (self._draft_s or 0.0) * batch
+        best_case = batch * (self.max_width + 1) / (self.profile.cost(batch, self.max_width + 1) + draft)
+        return best_case > self.rate(batch, 0)
 
     def _check_realized(self, batch: int, best: int) -> int:
         """The model's pick, unless the rates measured at this batch size say the other side is faster.

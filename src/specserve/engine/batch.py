@@ -90,7 +90,6 @@ class _Request:
     generator: torch.Generator
     checker: StopChecker
     drafter: Drafter | None = None
-    hidden_parts: list[torch.Tensor] = field(default_factory=list)  # captured prefill states, chunk by chunk
 
 
 class BatchEngine:
@@ -115,19 +114,19 @@ class BatchEngine:
         self.max_context = mcfg.max_position_embeddings
         self.capture = drafters.capture if drafters is not None else ()
         self.max_draft = drafters.max_tree_nodes - 1 if drafters is not None else 0
-        block_bytes = PagedKVCache.block_bytes(mcfg, config.kv_block_size, dtype)
+        # Drafters that read the target's hidden states (EAGLE-3, DFlash) need them for every context token,
+        # cached prefixes included: each KV slot keeps its position's captured states as well.
+        features = len(self.capture) * mcfg.hidden_size
+        block_bytes = PagedKVCache.block_bytes(mcfg, config.kv_block_size, dtype, feature_dim=features)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gb * 2**30 // block_bytes))
-        self.kv = PagedKVCache(mcfg, num_blocks, config.kv_block_size, device, dtype)
+        self.kv = PagedKVCache(mcfg, num_blocks, config.kv_block_size, device, dtype, feature_dim=features)
         self.pool = BlockPool(num_blocks, config.kv_block_size)
         host_blocks = int(config.hicache_gb * 2**30 // block_bytes)
         if config.hicache_gb > 0 and host_blocks < 1:
             raise ValueError(f"--hicache-size {config.hicache_gb} GB holds no KV block of {block_bytes} bytes")
-        # Drafters that read the target's hidden states need them for every token, cached prefixes
-        # included; those are not kept, so such drafters run without the prefix cache.
-        use_cache = config.enable_prefix_cache and not self.capture
+        use_cache = config.enable_prefix_cache
         self.host: HostTier | None = None
-        self._host_k: dict[int, torch.Tensor] = {}
-        self._host_v: dict[int, torch.Tensor] = {}
+        self._host_blocks: dict[int, list[torch.Tensor]] = {}
         if host_blocks and use_cache:
             self.host = HostTier(host_blocks, self._copy_out, self._copy_in)
         self.cache = RadixCache(self.pool, self.host) if use_cache else None
@@ -173,6 +172,10 @@ class BatchEngine:
     def _forward(self, rows: list[Row]) -> list[RowOutput]:
         t0 = time.perf_counter()
         out = self.runner.forward(rows, self.capture)
+        if self.capture:  # the captured states go next to their K/V
+            for row, res in zip(rows, out, strict=True):
+                assert res.captured is not None
+                self.kv.write_features(row.write_slots, res.captured)
         self.counters.forward_s += time.perf_counter() - t0
         return out
 
@@ -182,7 +185,7 @@ class BatchEngine:
         outs: list[StepOutput] = []
         for seq in plan.preempted:
             req = self._requests[seq.request_id]
-            req.drafter, req.hidden_parts = None, []  # rebuilt when the recomputed prefill completes
+            req.drafter = None  # rebuilt when the recomputed prefill completes
         for seq in plan.finished:
             self._requests.pop(seq.request_id, None)
             self._count_finish("length")
@@ -225,9 +228,6 @@ class BatchEngine:
     def _finish_prefill(self, chunk: PrefillChunk, res: RowOutput) -> list[StepOutput]:
         seq = chunk.seq
         req = self._requests[seq.request_id]
-        if self.capture:
-            assert res.captured is not None
-            req.hidden_parts.append(res.captured)
         if not chunk.completes:
             self.scheduler.advance(seq, chunk.num_tokens, [])
             return []
@@ -236,9 +236,9 @@ class BatchEngine:
         if self.drafters is not None:
             max_len = seq.num_tokens + req.checker.limit + self.drafters.max_tree_nodes + 2
             req.drafter = self.drafters.for_request(req.params, req.generator, max_len)
-            hidden = torch.cat(req.hidden_parts) if self.capture else None
+            # every position's captured states, those of a cached prefix included: [T, n*H]
+            hidden = self.kv.features[self._context(seq, seq.num_tokens)] if self.kv.features is not None else None
             req.drafter.prefill(seq.token_ids[: seq.num_tokens], hidden)
-            req.hidden_parts = []
         return self._commit(req, chunk.num_tokens, [token])
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
@@ -326,12 +326,10 @@ class BatchEngine:
     # -- host tier copies (HiCache)
 
     def _copy_out(self, block: int, host_slot: int) -> None:
-        k, v = self.kv.read_block(block)
-        self._host_k[host_slot] = k.to("cpu")
-        self._host_v[host_slot] = v.to("cpu")
+        self._host_blocks[host_slot] = [t.to("cpu") for t in self.kv.read_block(block)]
 
     def _copy_in(self, host_slot: int, block: int) -> None:
-        self.kv.write_block(block, self._host_k[host_slot].to(self.device), self._host_v[host_slot].to(self.device))
+        self.kv.write_block(block, [t.to(self.device) for t in self._host_blocks[host_slot]])
 
 
 def _truncate(tree: DraftTree, max_nodes: int) -> DraftTree:

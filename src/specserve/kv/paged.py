@@ -7,6 +7,10 @@ owns is `kv/block_pool.py`'s business; this file only moves tensors:
   PagedView    what one batched forward may touch: write new K/V at `write_slots`, read `read_slots`
   copy_slots   speculative compaction (accepted tree nodes to consecutive slots)
   read_block / write_block   the host tier's copies of whole blocks
+
+With `feature_dim > 0` every slot also keeps a feature row `[feature_dim]`: the target's captured hidden
+states at that position, which EAGLE-3 and DFlash drafters read. They live, move and get cached with the
+slot's K/V, so a prefix-cache hit gives a drafter the states of the positions the target skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from specserve.config import ModelConfig
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, num_layers: int | None = None) -> None:
+                 dtype: torch.dtype, num_layers: int | None = None, feature_dim: int = 0) -> None:
         layers = cfg.num_hidden_layers if num_layers is None else num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -29,41 +33,60 @@ class PagedKVCache:
         shape = (self.num_slots + 1, cfg.num_key_value_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.features = (torch.zeros(self.num_slots + 1, feature_dim, device=device, dtype=dtype)
+                         if feature_dim else None)  # [num_slots + 1, F]
         self.device = device
 
     @staticmethod
-    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-        """Bytes of K and V of one block over all layers (sizes the pool and the host tier before allocating)."""
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None,
+                    feature_dim: int = 0) -> int:
+        """Bytes of one block: K and V over all layers, and the features (sizes the pool and the host tier
+        before allocating)."""
         layers = cfg.num_hidden_layers if num_layers is None else num_layers
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        return (2 * layers * cfg.num_key_value_heads * cfg.head_dim + feature_dim) * block_size * itemsize
 
     @property
     def bytes_per_block(self) -> int:
         t = self.k[0]
-        return 2 * len(self.k) * self.block_size * t.shape[1] * t.shape[2] * t.element_size()
+        f = self.features.shape[1] if self.features is not None else 0
+        return (2 * len(self.k) * t.shape[1] * t.shape[2] + f) * self.block_size * t.element_size()
+
+    def write_features(self, slots: list[int], x: torch.Tensor) -> None:
+        """x [n, F]: the features of the n positions stored at `slots`."""
+        assert self.features is not None, "this cache keeps no features (feature_dim=0)"
+        self.features[torch.tensor(slots, device=self.device)] = x.to(self.features.dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the KV of slots `src` [n] to slots `dst` [n] in every layer (reads all before writing)."""
+        """Copy the KV (and features) of slots `src` [n] to slots `dst` [n] (reads all before writing)."""
         if src.numel() == 0:
             return
         for kc, vc in zip(self.k, self.v, strict=True):
             kc[dst] = kc[src]
             vc[dst] = vc[src]
+        if self.features is not None:
+            self.features[dst] = self.features[src]
 
     def _block(self, block: int) -> slice:
         return slice(block * self.block_size, (block + 1) * self.block_size)
 
-    def read_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one block's K and V in every layer: [L, block_size, Hkv, D] each."""
+    def read_block(self, block: int) -> list[torch.Tensor]:
+        """Copies of one block: K and V of every layer [L, block_size, Hkv, D] each, then the features
+        [block_size, F] if kept."""
         s = self._block(block)
-        return torch.stack([k[s] for k in self.k]), torch.stack([v[s] for v in self.v])
+        parts = [torch.stack([k[s] for k in self.k]), torch.stack([v[s] for v in self.v])]
+        if self.features is not None:
+            parts.append(self.features[s].clone())
+        return parts
 
-    def write_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_block(self, block: int, parts: list[torch.Tensor]) -> None:
+        """The inverse of `read_block`."""
         s = self._block(block)
         for i, (kc, vc) in enumerate(zip(self.k, self.v, strict=True)):
-            kc[s] = k[i]
-            vc[s] = v[i]
+            kc[s] = parts[0][i]
+            vc[s] = parts[1][i]
+        if self.features is not None:
+            self.features[s] = parts[2]
 
 
 @dataclass(frozen=True)
