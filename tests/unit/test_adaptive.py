@@ -289,3 +289,17 @@ def test_no_exploration_where_speculation_cannot_win() -> None:
 def test_exploration_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="explore_every <= explore_max"):
         AdaptivePolicy(flat(), max_width=4, tree=False, explore_every=32, explore_max=16)
+
+
+def test_host_cost_is_kept_per_width() -> None:
+    """A chain cut to 1 draft costs less to draft than the full 4; until measured it is charged the full cost."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    for _ in range(20):
+        policy.record_accept(1, 4)  # E[tokens | w >= 1] = 2
+    policy.record_draft(1.0)  # the full width's drafting: as slow as a forward per request
+    assert policy.draft_seconds(1) == policy.draft_seconds(4) == 1.0
+    assert policy.choose(1) == 0  # 1 token / 1 s beats 2 / (1.5 + 1) s
+    policy.record_draft(0.1, width=1)
+    assert policy.draft_seconds(1) == 0.1 and policy.draft_seconds(4) == 1.0
+    assert policy.rate(1, 1) == pytest.approx(2 / (flat().cost(1, 2) + 0.1))
+    assert policy.choose(1) == 1  # 2 / 1.6 s beats plain

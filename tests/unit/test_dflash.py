@@ -17,6 +17,7 @@ from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.engine.plain import generate_plain
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
+from specserve.spec.ddtree import build_ddtree
 from specserve.spec.decode import generate_speculative
 from specserve.spec.dflash import DFlashDrafter
 from specserve.spec.dflash_model import (
@@ -265,6 +266,9 @@ def test_propose_chain_and_ddtree(draft: DFlashDraftModel, target: CausalLM, dra
     assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i > 0)
     assert int(tree.tokens[1]) == int(best[0]) and int(tree.depths[1]) == 1  # the most probable first node
     assert dd.length == 4  # proposing commits nothing
+    small = dd.propose(11, max_drafts=6)  # a smaller budget: the best 6-node tree
+    assert small.num_nodes == 6 and small.tokens.tolist() == build_ddtree(11, dd.block_log_probs(11), 6).tokens.tolist()
+    assert chain.propose(11, max_drafts=2).tokens.tolist() == [11, *best[:2].tolist()]
 
 
 @pytest.mark.parametrize("tree,n", [("chain", 6), ("ddtree", 24)])

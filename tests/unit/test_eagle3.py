@@ -238,14 +238,15 @@ def test_greedy_chain_rounds_match_recomputation(draft: Eagle3Model, target: Cau
     assert drafter.capture == AUX
     drafter.prefill(hist.tokens, hist.hidden)
     root = 11
-    for _ in range(4):
-        tree = drafter.propose(root)
-        assert tree.is_chain and tree.num_nodes == steps and tree.draft_probs is None
+    for max_drafts in (None, 2, None, 1, steps + 3, 3):  # a cut chain drafts only that many steps
+        tree = drafter.propose(root, max_drafts)
+        n = steps if max_drafts is None else min(steps, max_drafts)
+        assert tree.is_chain and tree.num_nodes == n and tree.draft_probs is None
         path: list[int] = []
-        for _ in range(steps):
+        for _ in range(n):
             path.append(int(reference_log_probs(draft, target, hist.hidden, hist.pairs(root), path).argmax()))
         assert tree.tokens.tolist() == [root, *path]
-        k = hist.rng.randint(0, steps)  # accept a random prefix, the whole chain included
+        k = hist.rng.randint(0, n)  # accept a random prefix, the whole chain included
         root = hist.commit(drafter, tree.tokens[: k + 1].tolist())
         assert drafter.committed == len(hist.tokens) - k - 1  # the accepted pairs wait for the next propose
 

@@ -265,7 +265,10 @@ class BatchEngine:
         if self.policy is not None:  # host time per request of this decode pass (all of it but the forward)
             elapsed = time.perf_counter() - t0
             host = (elapsed - (self.counters.forward_s - f0)) / len(items)
-            (self.policy.record_draft if k > 0 else self.policy.record_plain)(host)
+            if k > 0:
+                self.policy.record_draft(host, k)
+            else:
+                self.policy.record_plain(host)
             self.policy.record_pass(len(items), k > 0, sum(len(o.new_token_ids) for o in outs), elapsed)
         return outs
 
@@ -275,7 +278,7 @@ class BatchEngine:
             if req.drafter is not None:
                 req.drafter.skip(root)
             return DraftTree.chain(root, [], device=self.device)
-        tree = req.drafter.propose(root)
+        tree = req.drafter.propose(root, item.num_draft_tokens)
         return _truncate(tree, item.num_draft_tokens)
 
     def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput, speculated: bool) -> list[StepOutput]:

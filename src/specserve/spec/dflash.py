@@ -94,11 +94,12 @@ class DFlashDrafter(Drafter):
     def skip(self, root: int) -> None:
         """The context cache only grows in `accept`; a round without drafts needs nothing."""
 
-    def propose(self, root: int) -> DraftTree:
+    def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
         log_probs = self.block_log_probs(root)
-        if self.spec.tree == "ddtree":
-            return build_ddtree(root, log_probs, self.spec.num_draft_tokens)
-        n = self.spec.num_draft_tokens  # root included
+        budget = self.spec.num_draft_tokens  # DDTree: draft nodes; chain: the root included
+        if self.spec.tree == "ddtree":  # a smaller budget builds the best smaller tree, not a cut of the big one
+            return build_ddtree(root, log_probs, budget if max_drafts is None else max(1, min(budget, max_drafts)))
+        n = budget if max_drafts is None else max(2, min(budget, max_drafts + 1))
         drafts = log_probs[: n - 1].argmax(dim=-1)  # [n-1]
         return DraftTree(
             tokens=torch.cat((torch.tensor([root], device=self.device), drafts)),

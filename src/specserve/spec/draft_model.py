@@ -55,20 +55,21 @@ class DraftModelDrafter(Drafter):
         out = self.model(ids, pos[None], self.cache.view(self.length, n, mask))
         return out.logits[0]
 
-    def propose(self, root: int) -> DraftTree:
+    def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
         start = self.length
         logits = self._feed([*self.pending, root])[-1]  # [V]
         self.length += len(self.pending) + 1  # temporarily includes the root
         self.pending = []
-        tree = self._tree(root, logits) if self.spec.eagle_topk > 1 else self._chain(root, logits)
+        steps = self.spec.num_steps if max_drafts is None else max(1, min(self.spec.num_steps, max_drafts))
+        tree = self._tree(root, logits) if self.spec.eagle_topk > 1 else self._chain(root, logits, steps)
         self._round = (start, tree.tokens.tolist() if self.spec.eagle_topk == 1 else None)
         self.length = start  # crop: accept() recommits what the target accepted
         return tree
 
-    def _chain(self, root: int, logits: torch.Tensor) -> DraftTree:
+    def _chain(self, root: int, logits: torch.Tensor, steps: int) -> DraftTree:
         drafts: list[int] = []
         probs_rows: list[torch.Tensor] = []
-        for step in range(self.spec.num_steps):
+        for step in range(steps):
             if self.params.greedy:
                 tok = int(logits.argmax().item())
             else:
@@ -76,7 +77,7 @@ class DraftModelDrafter(Drafter):
                 tok = int(sample(q[None], self.gen).item())
                 probs_rows.append(q)
             drafts.append(tok)
-            if step + 1 < self.spec.num_steps:
+            if step + 1 < steps:
                 logits = self._feed([tok])[-1]
                 self.length += 1
         draft_probs = None

@@ -2,7 +2,7 @@
 
 The speculative loop drives a drafter through one request:
   prefill(prompt_ids, hidden)          once, after the target's prefill
-  propose(root, budget)  -> DraftTree  each round
+  propose(root, max_drafts) -> DraftTree  each round
   accept(tokens, hidden)               after verification, with the accepted path
 A round the engine runs without speculation (adaptive speculation chose plain decoding) calls
 `skip(root)` instead of `propose(root)`; `accept` follows with tokens [root].
@@ -26,8 +26,11 @@ class Drafter(ABC):
         """Start a request. hidden: captured target states of the prompt [T, len(capture)*H] or None."""
 
     @abstractmethod
-    def propose(self, root: int) -> DraftTree:
-        """Draft a tree rooted at `root`, the last emitted token (not yet in the target's KV)."""
+    def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
+        """Draft a tree rooted at `root`, the last emitted token (not yet in the target's KV).
+
+        `max_drafts`: the caller verifies at most this many draft nodes (it cuts the rest); drafters whose cost
+        grows with the draft (chains drafted step by step, DFlash's tree budget) draft only that much."""
 
     @abstractmethod
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:

@@ -74,13 +74,13 @@ class Eagle3Drafter(Drafter):
         self._root = next_root
 
     @torch.inference_mode()
-    def propose(self, root: int) -> DraftTree:
+    def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
         assert self._pending_hidden is not None, "propose() must follow prefill() or accept()"
         assert self._root is None or self._root == root, "propose(root) must get accept()'s next_root"
         feat = self._commit(root)  # [1, H]
         self._root = root
         if self.spec.eagle_topk == 1:
-            return self._chain(root, feat)
+            return self._chain(root, feat, _steps(self.spec.num_steps, max_drafts))
         return self._tree(root, feat)
 
     def skip(self, root: int) -> None:
@@ -116,12 +116,12 @@ class Eagle3Drafter(Drafter):
         lp = torch.log_softmax(self.model.draft_logits(out).float(), dim=-1)
         return self.model.to_target_vocab(lp, float("-inf"))
 
-    def _chain(self, root: int, feat: torch.Tensor) -> DraftTree:
+    def _chain(self, root: int, feat: torch.Tensor, steps: int) -> DraftTree:
         base = self.committed  # slot and position of the depth-1 draft's entry
         drafts: list[torch.Tensor] = []  # [1] each, kept on the device
         rows: list[torch.Tensor] = []
         logits = self.model.draft_logits(feat)  # [1, Vd]
-        for depth in range(1, self.spec.num_steps + 1):
+        for depth in range(1, steps + 1):
             if self.params.greedy:
                 tok = self.model.target_ids(logits.argmax(dim=-1))  # [1]
             else:
@@ -129,7 +129,7 @@ class Eagle3Drafter(Drafter):
                 tok = sample(q, self.gen)
                 rows.append(q[0])
             drafts.append(tok)
-            if depth == self.spec.num_steps:
+            if depth == steps:
                 break
             slot = base + depth - 1
             feat = self._run(tok, feat, torch.tensor([slot], device=self.device), slot)
@@ -172,3 +172,7 @@ class Eagle3Drafter(Drafter):
         return expand_eagle_tree(root, self._log_probs(feat)[0], step_fn, self.spec.num_steps,
                                  self.spec.eagle_topk, self.spec.num_draft_tokens - 1)
 
+
+
+def _steps(num_steps: int, max_drafts: int | None) -> int:
+    return num_steps if max_drafts is None else max(1, min(num_steps, max_drafts))

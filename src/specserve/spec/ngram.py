@@ -131,7 +131,7 @@ class NgramDrafter(Drafter):
     def skip(self, root: int) -> None:
         """Lookup keeps no per-round state."""
 
-    def propose(self, root: int) -> DraftTree:
+    def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
         tokens = [int(root)]
         parents = [-1]
         depths = [0]
