@@ -378,3 +378,39 @@ def test_config_validation_and_default_layer_ids(draft_dir: Path) -> None:
         Eagle3Config.from_hf({**raw, "draft_vocab_size": V + 1}, 3)
     with pytest.raises(ValueError, match="architectures"):
         Eagle3Config.from_hf({**raw, "architectures": ["LlamaForCausalLM"]}, 3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_chains_equal_one_by_one(draft: Eagle3Model, target: CausalLM, temperature: float) -> None:
+    """`propose_many` (one padded drafter forward per step for all requests) drafts what each request's own
+    `propose` drafts: rows of different lengths (one pending past the batched-commit limit), cut widths, a
+    row that skipped a round; and every drafter's state stays the same, round after round."""
+    steps, lens = 4, [3, 20, 6, 9]
+    hists = [History(prompt_len=n, seed=20 + i) for i, n in enumerate(lens)]
+    batched = [make_drafter(draft, target, steps, temperature=temperature, seed=i) for i in range(len(lens))]
+    alone = [make_drafter(draft, target, steps, temperature=temperature, seed=i) for i in range(len(lens))]
+    for h, a, b in zip(hists, batched, alone, strict=True):
+        a.prefill(h.tokens, h.hidden)
+        b.prefill(h.tokens, h.hidden)
+    roots = [h.rng.randrange(V) for h in hists]
+    for max_drafts in ([None, None, None, None], [2, None, 1, 4], [None, 3, None, 2]):
+        trees = Eagle3Drafter.propose_many(batched, roots, list(max_drafts))
+        for i, (tree, b) in enumerate(zip(trees, alone, strict=True)):
+            ref = b.propose(roots[i], max_drafts[i])
+            assert tree.tokens.tolist() == ref.tokens.tolist(), (i, max_drafts)
+            assert tree.parents.tolist() == ref.parents.tolist() and tree.depths.tolist() == ref.depths.tolist()
+            assert (tree.draft_probs is None) == (ref.draft_probs is None) == (temperature == 0.0)
+            if tree.draft_probs is not None and ref.draft_probs is not None:
+                torch.testing.assert_close(tree.draft_probs, ref.draft_probs, atol=1e-5, rtol=1e-5)
+            assert batched[i].committed == b.committed
+        for i, (h, a, b, tree) in enumerate(zip(hists, batched, alone, trees, strict=True)):
+            k = h.rng.randint(0, tree.num_nodes)
+            accepted = tree.tokens[: k + 1].tolist()
+            hidden, roots[i] = h.states(len(accepted)), h.rng.randrange(V)
+            a.accept(accepted, hidden, roots[i])
+            b.accept(accepted, hidden, roots[i])
+        # row 0 skips a round: its pending pairs grow, and the next batched commit takes them all
+        hidden = hists[0].states(1)
+        for d in (batched[0], alone[0]):
+            d.skip(roots[0])
+            d.accept([roots[0]], hidden, roots[0])

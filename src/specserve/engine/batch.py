@@ -243,12 +243,9 @@ class BatchEngine:
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
         t0, f0 = time.perf_counter(), self.counters.forward_s
-        trees: list[DraftTree] = []
+        trees = self._draft(items)
         rows: list[Row] = []
-        for item in items:
-            req = self._requests[item.seq.request_id]
-            tree = self._draft(req, item, k)
-            trees.append(tree)
+        for item, tree in zip(items, trees, strict=True):
             n = tree.num_nodes + 1
             chain = tree.is_chain
             rows.append(Row(
@@ -272,14 +269,28 @@ class BatchEngine:
             self.policy.record_pass(len(items), k > 0, sum(len(o.new_token_ids) for o in outs), elapsed)
         return outs
 
-    def _draft(self, req: _Request, item: DecodeItem, k: int) -> DraftTree:
-        root = item.seq.token_ids[-1]
-        if req.drafter is None or item.num_draft_tokens == 0:
-            if req.drafter is not None:
-                req.drafter.skip(root)
-            return DraftTree.chain(root, [], device=self.device)
-        tree = req.drafter.propose(root, item.num_draft_tokens)
-        return _truncate(tree, item.num_draft_tokens)
+    def _draft(self, items: tuple[DecodeItem, ...]) -> list[DraftTree]:
+        """Each decode's tree (just its root where it drafts nothing this step). Drafters of one class propose
+        together, so those that can share their forwards across requests do (not in batch-invariant mode:
+        a request's drafts, and so its sampled tokens, must not depend on the batch)."""
+        trees: list[DraftTree | None] = [None] * len(items)
+        groups: dict[type[Drafter] | None, list[int]] = {}  # None: each drafter on its own
+        for i, item in enumerate(items):
+            drafter = self._requests[item.seq.request_id].drafter
+            if drafter is None or item.num_draft_tokens == 0:
+                if drafter is not None:
+                    drafter.skip(item.seq.token_ids[-1])
+                trees[i] = DraftTree.chain(item.seq.token_ids[-1], [], device=self.device)
+            else:
+                groups.setdefault(None if self.config.batch_invariant else type(drafter), []).append(i)
+        for cls, idx in groups.items():
+            drafters = [self._requests[items[i].seq.request_id].drafter for i in idx]
+            proposed = (cls or Drafter).propose_many([d for d in drafters if d is not None],
+                                        [items[i].seq.token_ids[-1] for i in idx],
+                                        [items[i].num_draft_tokens for i in idx])
+            for i, tree in zip(idx, proposed, strict=True):
+                trees[i] = _truncate(tree, items[i].num_draft_tokens)
+        return [t for t in trees if t is not None]
 
     def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput, speculated: bool) -> list[StepOutput]:
         req = self._requests[item.seq.request_id]

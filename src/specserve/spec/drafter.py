@@ -11,6 +11,7 @@ A round the engine runs without speculation (adaptive speculation chose plain de
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -36,6 +37,13 @@ class Drafter(ABC):
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
         """After verification: `tokens` = [root, accepted drafts...] now in the target's KV;
         hidden [len(tokens), len(capture)*H] their captured target states; `next_root` the bonus token."""
+
+    @classmethod
+    def propose_many(cls, drafters: Sequence[Drafter], roots: list[int],
+                     max_drafts: list[int | None]) -> list[DraftTree]:
+        """`propose` for several requests' drafters of this class in one engine step; drafters that can share
+        their forwards across requests override it."""
+        return [d.propose(r, m) for d, r, m in zip(drafters, roots, max_drafts, strict=True)]
 
     def skip(self, root: int) -> None:
         """A round without drafts at `root`; `accept([root], ...)` follows. Drafters whose `propose` keeps

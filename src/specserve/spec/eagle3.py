@@ -16,10 +16,13 @@ to the committed prefix, its ancestors and itself; a node of depth d has positio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
+from specserve.kv.rows import rows_view
 from specserve.layers.sampling import sample, target_probs
 from specserve.models.llama import CausalLM
 from specserve.spec.drafter import Drafter
@@ -83,6 +86,20 @@ class Eagle3Drafter(Drafter):
             return self._chain(root, feat, _steps(self.spec.num_steps, max_drafts))
         return self._tree(root, feat)
 
+    @classmethod
+    def propose_many(cls, drafters: Sequence[Drafter], roots: list[int],
+                     max_drafts: list[int | None]) -> list[DraftTree]:
+        """Chains of one drafter model: one batched drafter forward per step for all requests (a padded
+        batch over their own caches, `kv/rows.py`) instead of one forward per request."""
+        group = [d for d in drafters if isinstance(d, Eagle3Drafter)]
+        if (len(group) < 2 or len(group) != len(drafters)
+                or any(d.spec.eagle_topk != 1 or d.model is not group[0].model for d in group)):
+            return super().propose_many(drafters, roots, max_drafts)
+        for d, root in zip(group, roots, strict=True):
+            assert d._root is None or d._root == root, "propose(root) must get accept()'s next_root"
+        steps = [_steps(d.spec.num_steps, m) for d, m in zip(group, max_drafts, strict=True)]
+        return _propose_chains(group, roots, steps)
+
     def skip(self, root: int) -> None:
         """No drafting this round: `root` completes the last pending pair, and the pending pairs stay pending,
         so rounds without speculation cost no drafter forward; the next `propose` commits them all at once."""
@@ -91,24 +108,32 @@ class Eagle3Drafter(Drafter):
         self._pending_tokens.append(root)
         self._root = root
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.model.embed_tokens(ids) if self.model.embed_tokens is not None else self.target.embed(ids)
+        return emb.to(self.dtype)
+
     def _run(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, start: int,
              mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [Q], feats [Q, H], positions [Q] written at slots start.. -> layer outputs [Q, H]."""
-        ids = tokens[None]
-        emb = self.model.embed_tokens(ids) if self.model.embed_tokens is not None else self.target.embed(ids)
         view = self.kv.view(start, int(tokens.shape[0]), mask)
-        return self.model(emb.to(self.dtype), feats[None], positions[None], view)[0]
+        return self.model(self._embed(tokens[None]), feats[None], positions[None], view)[0]
+
+    def _pending_inputs(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending pairs completed with `root`: tokens [n] and features [n, H], for slots committed.."""
+        hidden = self._pending_hidden
+        assert hidden is not None, "propose() must follow prefill() or accept()"
+        tokens = torch.tensor([*self._pending_tokens, root], device=self.device)
+        return tokens, self.model.project(hidden.to(self.device, self.dtype))
+
+    def _mark_committed(self, n: int, root: int) -> None:
+        self.committed += n
+        self._pending_hidden, self._pending_tokens, self._root = None, [], root
 
     def _commit(self, root: int) -> torch.Tensor:
-        hidden = self._pending_hidden
-        assert hidden is not None
-        n = int(hidden.shape[0])
-        tokens = torch.tensor([*self._pending_tokens, root], device=self.device)
-        start = self.committed
-        positions = torch.arange(start, start + n, device=self.device)
-        out = self._run(tokens, self.model.project(hidden.to(self.device, self.dtype)), positions, start)
-        self.committed += n
-        self._pending_hidden, self._pending_tokens = None, []
+        tokens, feats = self._pending_inputs(root)
+        n, start = int(tokens.shape[0]), self.committed
+        out = self._run(tokens, feats, torch.arange(start, start + n, device=self.device), start)
+        self._mark_committed(n, root)
         return out[-1:]
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
@@ -176,3 +201,82 @@ class Eagle3Drafter(Drafter):
 
 def _steps(num_steps: int, max_drafts: int | None) -> int:
     return num_steps if max_drafts is None else max(1, min(num_steps, max_drafts))
+
+
+# Rows whose pending pairs are longer (a prompt, a long run of plain rounds) are committed alone: padding the
+# one-token rows of the batch to their length would cost more than their own forward.
+_MAX_BATCHED_COMMIT = 16
+
+
+def _run_rows(drafters: list[Eagle3Drafter], tokens: list[torch.Tensor], feats: list[torch.Tensor],
+              starts: list[int]) -> torch.Tensor:
+    """Row i: tokens [n_i], features [n_i, H] written at slots starts[i].. of drafter i's cache (positions =
+    slots) -> layer outputs [B, max n_i, H] (padding rows after n_i)."""
+    first = drafters[0]
+    lens = [int(t.shape[0]) for t in tokens]
+    b, q, dev = len(tokens), max(lens), first.device
+    ids = torch.zeros(b, q, dtype=torch.long, device=dev)
+    f = torch.zeros(b, q, feats[0].shape[-1], dtype=first.dtype, device=dev)
+    pos = torch.zeros(b, q, dtype=torch.long, device=dev)
+    for i, (t, x, start, n) in enumerate(zip(tokens, feats, starts, lens, strict=True)):
+        ids[i, :n], f[i, :n] = t, x
+        pos[i, :n] = torch.arange(start, start + n, device=dev)
+    view = rows_view([d.kv for d in drafters], starts, lens, dev)
+    return first.model(first._embed(ids), f, pos, view)
+
+
+def _propose_chains(drafters: list[Eagle3Drafter], roots: list[int], steps: list[int]) -> list[DraftTree]:
+    """`Eagle3Drafter._chain` for B requests at once: the same drafts, one forward per step for all."""
+    first, b = drafters[0], len(drafters)
+    model, dev = first.model, first.device
+    feat: list[torch.Tensor] = [torch.empty(0)] * b  # [H] current feature of each row
+    short: list[int] = []
+    for i, (d, root) in enumerate(zip(drafters, roots, strict=True)):
+        assert d._pending_hidden is not None, "propose() must follow prefill() or accept()"
+        if d._pending_hidden.shape[0] > _MAX_BATCHED_COMMIT:
+            feat[i] = d._commit(root)[0]
+        else:
+            short.append(i)
+    if short:
+        inputs = [drafters[i]._pending_inputs(roots[i]) for i in short]
+        out = _run_rows([drafters[i] for i in short], [t for t, _ in inputs], [x for _, x in inputs],
+                        [drafters[i].committed for i in short])
+        for row, (i, (t, _)) in enumerate(zip(short, inputs, strict=True)):
+            n = int(t.shape[0])
+            feat[i] = out[row, n - 1]
+            drafters[i]._mark_committed(n, roots[i])
+    drafts: list[list[torch.Tensor]] = [[] for _ in range(b)]  # [1] each, kept on the device
+    rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    active = list(range(b))
+    logits = model.draft_logits(torch.stack(feat))  # [B, Vd]
+    for depth in range(1, max(steps) + 1):
+        greedy = model.target_ids(logits.argmax(dim=-1))  # [A]
+        for row, i in enumerate(active):
+            d = drafters[i]
+            if d.params.greedy:
+                tok = greedy[row:row + 1]
+            else:
+                q = target_probs(model.to_target_vocab(logits[row:row + 1], float("-inf")), d.params)  # [1, V]
+                tok = sample(q, d.gen)
+                rows[i].append(q[0])
+            drafts[i].append(tok)
+        active = [i for i in active if steps[i] > depth]
+        if not active:
+            break
+        slots = [drafters[i].committed + depth - 1 for i in active]  # a depth-d entry sits at base + d - 1
+        out = _run_rows([drafters[i] for i in active], [drafts[i][-1] for i in active],
+                        [feat[i][None] for i in active], slots)
+        for row, i in enumerate(active):
+            feat[i] = out[row, 0]
+        logits = model.draft_logits(out[:, 0])
+    trees = []
+    for i, root in enumerate(roots):
+        n = len(drafts[i]) + 1
+        probs = torch.stack([torch.zeros_like(rows[i][0]), *rows[i]]) if rows[i] else None  # [N+1, V]
+        trees.append(DraftTree(
+            tokens=torch.cat([torch.tensor([root], device=dev), *drafts[i]]),
+            parents=torch.arange(-1, n - 1, device=dev),
+            depths=torch.arange(n, device=dev),
+            draft_probs=probs,
+        ))
+    return trees

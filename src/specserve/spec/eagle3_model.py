@@ -29,6 +29,7 @@ from torch import nn
 
 from specserve.config import ModelConfig, RopeConfig
 from specserve.kv.contiguous import KVView, causal_mask
+from specserve.kv.rows import RowsView
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rope import RotaryEmbedding, apply_rope
@@ -155,7 +156,7 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * c.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | RowsView | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         b, q_len, _ = x.shape  # x: [B, Q, 2H]
         q = apply_rope(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -193,7 +194,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(c)
 
     def forward(self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVView | None, mask: torch.Tensor | None) -> torch.Tensor:
+                kv: KVView | RowsView | None, mask: torch.Tensor | None) -> torch.Tensor:
         normed = self.hidden_norm(feature)
         residual = normed if self.norm_before_residual else feature
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [B, Q, 2H]
@@ -226,7 +227,7 @@ class Eagle3Model(nn.Module):
         embeds: torch.Tensor,  # [B, Q, H] token embeddings
         feature: torch.Tensor,  # [B, Q, H] fc(target states) or a previous output
         positions: torch.Tensor,  # [B, Q]
-        kv: KVView | None = None,
+        kv: KVView | RowsView | None = None,
         mask: torch.Tensor | None = None,  # [B|1, 1, Q, K] bool, only used without kv (default causal)
     ) -> torch.Tensor:  # [B, Q, H]
         cos, sin = self.rotary.cos_sin(positions, feature.dtype)
