@@ -324,3 +324,29 @@ def test_block_size_and_hidden_checks(draft: DFlashDraftModel, target: CausalLM,
     assert short.block_log_probs(3).shape == (3, target.config.vocab_size)  # a shorter block than trained is allowed
     with pytest.raises(ValueError, match="capture"):
         short.prefill([1, 2], None)
+
+
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+def test_batched_blocks_equal_one_by_one(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path,
+                                         tree: str) -> None:
+    """`propose_many` (one padded block forward for all requests) proposes what each `propose` does, for
+    contexts of different lengths, pending states, and cut budgets."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [3, 11, 6]
+    batched = [drafter(draft, target, draft_dir, tree, n=6) for _ in lens]
+    alone = [drafter(draft, target, draft_dir, tree, n=6) for _ in lens]
+    for n, a, b in zip(lens, batched, alone, strict=True):
+        hidden = torch.randn(n, 128, generator=gen)
+        a.prefill(list(range(n)), hidden)
+        b.prefill(list(range(n)), hidden)
+    roots = [11, 4, 7]
+    for max_drafts in ([None, None, None], [2, None, 4]):
+        trees = DFlashDrafter.propose_many(batched, roots, list(max_drafts))
+        for i, (t, b) in enumerate(zip(trees, alone, strict=True)):
+            ref = b.propose(roots[i], max_drafts[i])
+            assert t.tokens.tolist() == ref.tokens.tolist() and t.parents.tolist() == ref.parents.tolist(), i
+            torch.testing.assert_close(batched[i].block_log_probs(roots[i]), b.block_log_probs(roots[i]))
+        for i, (a, b) in enumerate(zip(batched, alone, strict=True)):  # accept 1..3 tokens: contexts grow unevenly
+            hidden = torch.randn(i + 1, 128, generator=gen)
+            a.accept([roots[i]] * (i + 1), hidden, roots[i])
+            b.accept([roots[i]] * (i + 1), hidden, roots[i])

@@ -16,6 +16,8 @@ trees carry draft_probs None and verify by sample-and-descend.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specserve.config import SpeculativeConfig
@@ -95,7 +97,20 @@ class DFlashDrafter(Drafter):
         """The context cache only grows in `accept`; a round without drafts needs nothing."""
 
     def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
-        log_probs = self.block_log_probs(root)
+        return self._tree(root, self.block_log_probs(root), max_drafts)
+
+    @classmethod
+    def propose_many(cls, drafters: Sequence[Drafter], roots: list[int],
+                     max_drafts: list[int | None]) -> list[DraftTree]:
+        """One batched block forward and one LM-head product for all requests (same drafter model)."""
+        group = [d for d in drafters if isinstance(d, DFlashDrafter)]
+        if (len(group) < 2 or len(group) != len(drafters)
+                or any(d.draft is not group[0].draft or d.block_size != group[0].block_size for d in group)):
+            return super().propose_many(drafters, roots, max_drafts)
+        log_probs = _block_log_probs_many(group, roots)  # [B, bs-1, V]
+        return [d._tree(r, lp, m) for d, r, lp, m in zip(group, roots, log_probs, max_drafts, strict=True)]
+
+    def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
         budget = self.spec.num_draft_tokens  # DDTree: draft nodes; chain: the root included
         if self.spec.tree == "ddtree":  # a smaller budget builds the best smaller tree, not a cut of the big one
             return build_ddtree(root, log_probs, budget if max_drafts is None else max(1, min(budget, max_drafts)))
@@ -106,3 +121,32 @@ class DFlashDrafter(Drafter):
             parents=torch.arange(-1, n - 1, device=self.device),
             depths=torch.arange(n, device=self.device),
         )
+
+
+def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int]) -> torch.Tensor:
+    """`block_log_probs` of B requests in one forward: each block attends to its own context (padded to the
+    longest, masked) and itself. -> [B, bs-1, V] float32."""
+    first = drafters[0]
+    for d in drafters:
+        d._flush()
+    b, bs, dev = len(drafters), first.block_size, first.device
+    lengths = torch.tensor([d.length for d in drafters], device=dev)  # [B]
+    longest = int(lengths.max())
+    ids = first._block_ids.expand(b, bs).clone()
+    ids[:, 0] = torch.tensor(roots, device=dev)
+    noise = first.target.embed(ids).to(first.dtype)  # [B, bs, H]
+    positions = lengths[:, None] + first._offsets[None]  # [B, bs]
+    context = []
+    for layer in range(len(first.cache.k)):
+        k0 = first.cache.k[layer]
+        k = k0.new_zeros(b, k0.shape[1], longest, k0.shape[3])  # [B, Hkv, C, D]
+        v = torch.zeros_like(k)
+        for i, d in enumerate(drafters):
+            k[i, :, :d.length] = d.cache.k[layer][0, :, :d.length]
+            v[i, :, :d.length] = d.cache.v[layer][0, :, :d.length]
+        context.append((k, v))
+    keys = torch.arange(longest + bs, device=dev)[None]  # [1, C+bs]
+    mask = (keys < lengths[:, None]) | (keys >= longest)  # [B, C+bs]: own context, the whole block
+    hidden = first.draft(noise, positions, context, mask[:, None, None, :])  # [B, bs, H]
+    logits = first.target.logits(hidden[:, 1:])  # [B, bs-1, V]
+    return torch.log_softmax(logits.float(), dim=-1)
