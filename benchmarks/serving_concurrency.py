@@ -138,6 +138,7 @@ def summarize_level(level: dict[str, Any]) -> dict[str, Any]:
         # a level with failed requests measured something else: no figure (its errors say why)
         "output_tok_s": level["output_throughput"] if level["completed"] and not level["errors"] else None,
         "accept_length": level["accept_length"],
+        "spec_step_fraction": level.get("spec_step_fraction"),  # steps that verified drafts (adaptive: < 1)
         "completed": level["completed"], "num_requests": level["num_requests"], "errors": level["errors"],
         "error_messages": level["error_messages"], "duration_s": level["duration_s"],
         "ttft_p50_ms": ttft["p50"] if ttft else None, "tpot_p50_ms": tpot["p50"] if tpot else None,
@@ -209,7 +210,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Served throughput by concurrency: `{report['model']}`", "",
              f"Output {report['output_len']} tokens (ignore_eos), temperature {report['temperature']}, dataset "
              f"coding, requests per level {report['requests_per_level']}. Cells: output tok/s (ratio to NONE at "
-             "the same concurrency) · mean accept length.", "",
+             "the same concurrency) · mean accept length · share of steps that speculated.", "",
              "| config | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for e in report["configs"]:
         cells = []
@@ -220,7 +221,9 @@ def markdown(report: dict[str, Any]) -> str:
                 continue
             ratio = "" if lv["ratio_to_plain"] is None else f" ({lv['ratio_to_plain']:.2f}×)"
             accept = "" if lv["accept_length"] is None else f" · {lv['accept_length']:.2f}"
-            cells.append(f"{_num(lv['output_tok_s'], '.1f')}{ratio}{accept}")
+            share = lv.get("spec_step_fraction")
+            spec = "" if share is None or e["config"] == "NONE" else f" · {share:.0%}"
+            cells.append(f"{_num(lv['output_tok_s'], '.1f')}{ratio}{accept}{spec}")
         lines.append(f"| {e['name']} | " + " | ".join(cells) + " |")
     g = report["goals"]
     lines += ["", f"Batching (NONE c=16 / c=1): {_num(report['batching_ratio_plain_c16_over_c1'], '.2f')}× "

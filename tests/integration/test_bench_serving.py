@@ -26,7 +26,7 @@ SLACK_MS = 80.0  # scheduling noise allowed above a configured delay
 LEVEL_KEYS = {"concurrency", "num_requests", "completed", "errors", "error_messages", "duration_s", "max_in_flight",
               "request_throughput", "input_throughput", "output_throughput", "total_throughput", "total_input_tokens",
               "total_output_tokens", "token_counts", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "requests",
-              "accept_length", "accept_length_source"}
+              "accept_length", "accept_length_source", "spec_step_fraction"}
 
 
 def configure(url: str, **fields: Any) -> None:

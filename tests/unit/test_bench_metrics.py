@@ -12,6 +12,7 @@ from specserve.bench.server_probe import (
     accept_length_from_metrics,
     find_numbers,
     parse_prometheus,
+    spec_step_fraction,
 )
 from specserve.bench.serving import ServingConfig, StreamReader, build_body, normalize_base_url
 
@@ -190,3 +191,12 @@ def test_accept_length_prefers_level_counters_then_server_average_then_metrics()
     scraped = ServerSnapshot(None, None, parse_prometheus("specserve_spec_accept_length 1.5\n"))
     assert accept_length(ServerSnapshot(None, None, {}), scraped) == (1.5, "metrics:specserve_spec_accept_length")
     assert accept_length(ServerSnapshot(None, None, None), ServerSnapshot(None, None, None)) == (None, None)
+
+
+def test_spec_step_fraction_from_step_counters() -> None:
+    before = {"specserve_engine_steps_total": 100.0, "specserve_spec_steps_total": 40.0}
+    after = {"specserve_engine_steps_total": 300.0, "specserve_spec_steps_total": 90.0}
+    assert spec_step_fraction(before, after) == 0.25  # 50 of the level's 200 steps speculated
+    assert spec_step_fraction(before, before) is None  # no step in between
+    assert spec_step_fraction(None, after) is None
+    assert spec_step_fraction({}, {"vllm:num_drafts_total": 3.0}) is None  # another server: not reported

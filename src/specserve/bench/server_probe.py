@@ -152,6 +152,28 @@ def accept_length(before: ServerSnapshot, after: ServerSnapshot) -> tuple[float 
     return value, (f"metrics:{name}" if name else None)
 
 
+async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """/metrics parsed, or None where the server has none."""
+    try:
+        r = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_prometheus(r.text) if r.status_code == 200 else None
+
+
+def spec_step_fraction(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Share of engine steps that verified drafts between two scrapes (specserve's `*spec_steps_total` over
+    `*engine_steps_total`: below 1 where adaptive speculation decoded plainly), or None."""
+    if before is None or after is None:
+        return None
+    b, a = _by_name(before), _by_name(after)
+    spec = next((n for n in sorted(a) if n.endswith("spec_steps_total")), None)
+    steps = next((n for n in sorted(a) if n.endswith("engine_steps_total")), None)
+    if spec is None or steps is None or _delta(b, a, steps) <= 0:
+        return None
+    return _delta(b, a, spec) / _delta(b, a, steps)
+
+
 async def server_config(client: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
     """The server's reported configuration: `/server_info` when it exists, else `/v1/models`."""
     info = await _get_json(client, f"{base_url}/server_info")

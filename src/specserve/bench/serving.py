@@ -31,7 +31,13 @@ from tqdm import tqdm
 
 from specserve.bench.datasets import Prompt
 from specserve.bench.metrics import Chunk, RequestResult, aggregate_level, request_timing
-from specserve.bench.server_probe import accept_length, server_config, take_snapshot
+from specserve.bench.server_probe import (
+    accept_length,
+    scrape_metrics,
+    server_config,
+    spec_step_fraction,
+    take_snapshot,
+)
 
 ENDPOINTS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WARMUP_TOKENS = 4
@@ -212,6 +218,7 @@ async def run_level(client: httpx.AsyncClient, cfg: ServingConfig, prompts: Sequ
         raise ValueError(f"--concurrency values must be >= 1, got {concurrency}")
     base = normalize_base_url(cfg.base_url)
     before = await take_snapshot(client, base)
+    metrics_before = await scrape_metrics(client, base)
     gate = asyncio.Semaphore(concurrency)
     in_flight = InFlight()
     bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req", disable=not progress, leave=True)
@@ -231,6 +238,7 @@ async def run_level(client: httpx.AsyncClient, cfg: ServingConfig, prompts: Sequ
     bar.close()
     level = aggregate_level(results, concurrency, duration, in_flight.peak)
     level["accept_length"], level["accept_length_source"] = accept_length(before, await take_snapshot(client, base))
+    level["spec_step_fraction"] = spec_step_fraction(metrics_before, await scrape_metrics(client, base))
     return level
 
 
