@@ -162,13 +162,17 @@ def start_server(model: str, extra: Sequence[str], log: Path, timeout_s: float) 
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before /health answered")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return proc, url
-        time.sleep(0.25)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode} before /health answered")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    return proc, url
+            time.sleep(0.25)
+    except BaseException:  # Ctrl-C while waiting: no server is left behind
+        stop_server(proc, grace_s=0.0)
+        raise
     stop_server(proc, grace_s=0.0)
     raise RuntimeError(f"server did not answer /health within {timeout_s:g} s (--server-timeout)")
 
