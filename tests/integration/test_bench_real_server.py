@@ -30,7 +30,7 @@ NGRAM_FLAGS = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-toke
 LEVEL_KEYS = {"concurrency", "num_requests", "completed", "errors", "error_messages", "duration_s", "max_in_flight",
               "request_throughput", "input_throughput", "output_throughput", "total_throughput", "total_input_tokens",
               "total_output_tokens", "token_counts", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "requests",
-              "accept_length", "accept_length_source"}
+              "accept_length", "accept_length_source", "spec_step_fraction"}
 REQUEST_KEYS = {"ok", "error", "prompt_tokens", "output_tokens", "usage_tokens", "streamed_tokens", "ttft_ms",
                 "tpot_ms", "e2e_ms"}
 
@@ -91,6 +91,10 @@ def check_run(run: Any, model: str, algorithm: str) -> None:
         assert set(lv) == LEVEL_KEYS
         assert (lv["num_requests"], lv["completed"], lv["errors"], lv["error_messages"]) == (NUM_PROMPTS, 4, 0, [])
         assert lv["max_in_flight"] == lv["concurrency"]
+        # the fixed-width NGRAM server speculates in every step that decodes (not in prefill-only steps); the plain
+        # server exports no speculative counters
+        share = lv["spec_step_fraction"]
+        assert share is None if algorithm == "NONE" else 0.5 < share <= 1.0
         d = lv["duration_s"]
         assert d > 0 and len(lv["requests"]) == NUM_PROMPTS
         assert lv["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
