@@ -1,7 +1,8 @@
 """Bundle the demo drafters: export each training run (bf16) next to the demo target, measure it, write its card.
 
-    python scripts/finalize_drafters.py --eagle3 runs/drafters/eagle3 --dflash runs/drafters/dflash \
-        --data runs/drafters/data
+    python scripts/finalize_drafters.py --eagle3 runs/drafters/eagle3 runs/drafters/eagle3-b \
+        --eagle3-command "specserve train eagle3 ..." --eagle3-command "specserve train eagle3 ... --init-from ..." \
+        --dflash runs/drafters/dflash runs/drafters/dflash-b --dflash-command ... --dflash-command ...
 
 For each drafter: `specserve train export` (sglang layout for EAGLE-3, dflash layout for DFlash, bf16, checked
 to load back with identical outputs) into src/specserve/assets/models/demo-eagle3 | demo-dflash, then the
@@ -58,11 +59,11 @@ def measure(algorithm: str, draft_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def card(kind: str, algorithm: str, run: Path, data_meta: dict[str, Any], rows: list[dict[str, Any]],
-         train_cmd: str, spec: SpeculativeConfig) -> str:
-    summary = json.loads((run / "train_summary.json").read_text())
+def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data_meta: dict[str, Any],
+         rows: list[dict[str, Any]], spec: SpeculativeConfig) -> str:
+    """stages: (run directory, its training command) in order; a later stage starts from the one before
+    (`--init-from`)."""
     settings = data_meta["settings"]
-    t = summary["time_share"]
     lines = [
         f"# demo-{kind}: {'EAGLE-3' if kind == 'eagle3' else 'DFlash'} drafter for the bundled demo target",
         "",
@@ -71,18 +72,27 @@ def card(kind: str, algorithm: str, run: Path, data_meta: dict[str, Any], rows: 
         f"Defaults it runs with: {json.dumps({k: v for k, v in vars(spec).items() if v is not None})}.",
         "",
         "## Training",
-        f"- Command: `{train_cmd}` on 2 CPU cores (fp32), then `python scripts/finalize_drafters.py` "
-        "(bf16 export, checked to load back with identical outputs).",
         f"- Data: `specserve train prepare --prompts runs/drafters/prompts.jsonl --samples-per-prompt "
         f"{settings['samples_per_prompt']} --temperature {settings['temperature']} --max-new-tokens "
         f"{settings['max_new_tokens']}`: the demo target regenerated {data_meta['sequences']} responses "
         f"({data_meta['response_tokens']} response tokens, {data_meta['tokens']} with prompts) to "
         f"{data_meta['sequences'] // settings['samples_per_prompt']} code openings of the standard library's "
         "training split (`python -m specserve.train.prompts --count 408`); none come from the evaluation suites.",
-        f"- Steps: {summary['steps']} × batch 8 sequences; tokens seen: {summary['tokens_seen']}; "
-        f"throughput {summary['tokens_per_s']} tokens/s; final loss {summary['final_loss']}.",
-        f"- Where the time went: target forward {t['target']:.0%}, drafter forward {t['drafter_fwd']:.0%}, "
-        f"drafter backward {t['drafter_bwd']:.0%}.",
+    ]
+    steps = tokens = 0
+    for i, (run, cmd) in enumerate(stages, 1):
+        summary = json.loads((run / "train_summary.json").read_text())
+        t = summary["time_share"]
+        steps, tokens = steps + summary["steps"], tokens + summary["tokens_seen"]
+        lines += [
+            f"- Stage {i}: `{cmd}` on 2 CPU cores ({summary['precision']}, both drafters training at once): "
+            f"{summary['steps']} steps × 8 sequences, {summary['tokens_seen']} tokens at {summary['tokens_per_s']} "
+            f"tokens/s, final loss {summary['final_loss']}; time: target forward {t['target']:.0%}, drafter "
+            f"forward {t['drafter_fwd']:.0%}, drafter backward {t['drafter_bwd']:.0%}.",
+        ]
+    lines += [
+        f"- In all: {steps} steps, {tokens} tokens seen; then `python scripts/finalize_drafters.py` (bf16 export, "
+        "checked to load back with identical outputs).",
         "",
         "## Acceptance on the demo target (mean accept length, bonus token included; CPU fp32)",
         "",
@@ -100,26 +110,30 @@ def card(kind: str, algorithm: str, run: Path, data_meta: dict[str, Any], rows: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--eagle3", type=Path, default=Path("runs/drafters/eagle3"))
-    ap.add_argument("--dflash", type=Path, default=Path("runs/drafters/dflash"))
+    ap.add_argument("--eagle3", type=Path, nargs="+", default=[Path("runs/drafters/eagle3")],
+                    help="training runs in order (each later one --init-from the one before); the last is bundled")
+    ap.add_argument("--dflash", type=Path, nargs="+", default=[Path("runs/drafters/dflash")])
     ap.add_argument("--data", type=Path, default=Path("runs/drafters/data"))
     ap.add_argument("--only", choices=("eagle3", "dflash"), default=None)
-    ap.add_argument("--eagle3-command", default="specserve train eagle3 --data runs/drafters/data --out "
-                    "runs/drafters/eagle3 --steps 400 --batch-size 8 --lr 8e-4 --ttt-steps 5 --draft-vocab-size 4096")
-    ap.add_argument("--dflash-command", default="specserve train dflash --data runs/drafters/data --out "
-                    "runs/drafters/dflash --steps 360 --batch-size 8 --lr 8e-4 --block-size 16")
+    ap.add_argument("--eagle3-command", action="append", default=None,
+                    help="the training command of each --eagle3 run, in order (for the card)")
+    ap.add_argument("--dflash-command", action="append", default=None)
     a = ap.parse_args()
     meta = json.loads((a.data / "meta.json").read_text())
     jobs = [("eagle3", "EAGLE3", a.eagle3, "sglang", a.eagle3_command),
             ("dflash", "DFLASH", a.dflash, "dflash", a.dflash_command)]
-    for kind, algorithm, run, fmt, cmd in jobs:
+    for kind, algorithm, runs, fmt, cmds in jobs:
         if a.only and a.only != kind:
             continue
+        if cmds is None or len(cmds) != len(runs):
+            ap.error(f"give one --{kind}-command per --{kind} run ({len(runs)})")
+        run = runs[-1]
         dest = ASSETS / f"demo-{kind}"
         export(ExportConfig(drafter=run, target="demo", out=dest, format=fmt, dtype="bfloat16"))
         rows = measure(algorithm, dest)
         spec = replace(resolve(algorithm, dest), draft_model_path=dest.name)  # the bundled name, not this path
-        (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, run, meta, rows, cmd, spec))
+        (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, list(zip(runs, cmds, strict=True)), meta, rows,
+                                                 spec))
         readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
         readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))
         (dest / "acceptance.json").write_text(json.dumps(rows, indent=1) + "\n")
