@@ -139,7 +139,7 @@ def test_plain_host_cost_counts_against_plain_decoding() -> None:
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
-    policy = AdaptivePolicy(steep(), max_width=4, tree=tree, explore_every=4)
+    policy = AdaptivePolicy(steep(), max_width=4, tree=tree, explore_every=4, explore_cost=10.0)
     for _ in range(20):
         policy.record_accept(0, 4)
     policy.record_draft(0.01)
@@ -237,7 +237,7 @@ def test_engine_profile_refuses_a_busy_or_small_engine(llm: LLM, tmp_path: Path)
 def test_measured_rates_overrule_the_model() -> None:
     """The model (free drafting, full acceptance) picks speculation; passes measured at this batch size show plain
     decoding producing more tokens per second, so plain wins, and speculation is still re-tried now and then."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4)
+    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_cost=10.0)
     for _ in range(20):
         policy.record_accept(4, 4)
     policy.record_draft(0.0)
@@ -257,7 +257,7 @@ def test_measured_rates_overrule_the_model() -> None:
 def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
     """Passes at batch 2 measure plain decoding at 30 tok/s and speculation at 10: each try that confirms it
     doubles the wait, so over 400 steps speculation is tried a handful of times, not once in 4 steps."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_max=256)
+    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_max=256, explore_cost=10.0)
     for _ in range(20):
         policy.record_accept(4, 4)
     policy.record_draft(0.0)
@@ -303,3 +303,25 @@ def test_host_cost_is_kept_per_width() -> None:
     assert policy.draft_seconds(1) == 0.1 and policy.draft_seconds(4) == 1.0
     assert policy.rate(1, 1) == pytest.approx(2 / (flat().cost(1, 2) + 0.1))
     assert policy.choose(1) == 1  # 2 / 1.6 s beats plain
+
+
+def test_exploration_stays_within_its_cost_budget() -> None:
+    """A full-width step costs 3x a plain one (steep profile, free drafting): trying it after every 4 plain steps
+    would spend 50% more time; with a 5% budget the tries come 40 plain steps apart."""
+    policy = AdaptivePolicy(steep(), max_width=4, tree=True, explore_every=4, explore_cost=0.05)
+    for _ in range(20):
+        policy.record_accept(0, 4)  # nothing accepted: the model picks plain decoding
+    policy.record_draft(0.0)
+    picks = [policy.choose(1) for _ in range(120)]
+    assert [i for i, w in enumerate(picks) if w > 0] == [39, 79, 119]
+    with pytest.raises(ValueError, match="explore_cost"):
+        AdaptivePolicy(flat(), max_width=4, tree=True, explore_cost=0.0)
+
+
+def test_measured_rates_are_sums_not_averages_of_rates() -> None:
+    """Two passes: 1 token in 1 s, 9 tokens in 0.1 s -> 10 tokens / 1.1 s (decayed), not the mean of 1 and 90."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=True)
+    policy.record_pass(1, True, tokens=1, seconds=1.0)
+    policy.record_pass(1, True, tokens=9, seconds=0.1)
+    assert policy.realized(1, True) == pytest.approx((0.9 * 1 + 9) / (0.9 * 1.0 + 0.1))
+    assert policy.realized(1, False) is None

@@ -12,11 +12,15 @@ For b running requests the policy scores every candidate width w (0 = plain deco
 and takes the best. Chains can be cut to any width (E = 1 + sum_{i<=w} P(accepted >= i)); trees are
 verified whole or not at all.
 
-Exploration keeps the estimates fresh without paying for it: while plain decoding wins at a batch size, a
+Exploration keeps the estimates fresh without paying much for it: while plain decoding wins at a batch size, a
 full-width step is tried after `explore_every` plain steps, but only where speculation could win at all
 (with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
 (up to `explore_max` steps; a try where speculation wins resets it). At high concurrency a speculative step
-can cost several plain ones, so trying it every few steps would itself lose to plain decoding.
+can cost several plain ones, so the wait is also at least long enough that the tries' extra cost stays
+under `explore_cost` of the time spent decoding plainly.
+
+Measured rates are decayed sums of tokens over decayed sums of seconds (not averages of per-pass rates), so one
+lucky pass does not flip the decision.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def measure_profile(
 
 class AdaptivePolicy:
     def __init__(self, profile: CostProfile, max_width: int, tree: bool, explore_every: int = 16,
-                 decay: float = 0.98, explore_max: int = 512) -> None:
+                 decay: float = 0.98, explore_max: int = 512, explore_cost: float = 0.03) -> None:
         if max_width < 1:
             raise ValueError(f"adaptive speculation needs a draft width >= 1, got {max_width}")
         if not 1 <= explore_every <= explore_max:
@@ -107,8 +111,11 @@ class AdaptivePolicy:
         self.profile = profile
         self.max_width = max_width
         self.tree = tree  # verify whole trees or nothing; chains may be cut to any width
+        if explore_cost <= 0:
+            raise ValueError(f"adaptive speculation: explore_cost must be > 0, got {explore_cost}")
         self.explore_every = explore_every
         self.explore_max = explore_max
+        self.explore_cost = explore_cost
         self.decay = decay
         self._at_least = [0.0] * max_width  # [i]: decayed count of full-width rounds accepting >= i+1 drafts
         self._rounds = 0.0  # decayed count of full-width rounds
@@ -119,8 +126,8 @@ class AdaptivePolicy:
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
         self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
         self._model_streak = 0  # steps since plain decoding was last tried where measurements favour speculation
-        # realized output tokens/s of decode passes, per batch bucket (power of two) and speculating or not (EMA)
-        self._realized: dict[tuple[int, bool], float] = {}
+        # decode passes per batch bucket (power of two) and speculating or not: decayed (tokens, seconds) sums
+        self._realized: dict[tuple[int, bool], tuple[float, float]] = {}
         self.choices: dict[int, int] = {}  # width -> steps that chose it
 
     def record_accept(self, accepted: int, width: int) -> None:
@@ -151,17 +158,17 @@ class AdaptivePolicy:
         if seconds <= 0:
             return
         bucket = _bucket(batch)
-        rate = tokens / seconds
-        old = self._realized.get((bucket, speculated))
-        self._realized[(bucket, speculated)] = rate if old is None else 0.8 * old + 0.2 * rate
-        plain = self._realized.get((bucket, False))
-        if speculated and plain is not None:  # back off the tries where speculation keeps losing
+        t, s = self._realized.get((bucket, speculated), (0.0, 0.0))
+        self._realized[(bucket, speculated)] = (0.9 * t + tokens, 0.9 * s + seconds)
+        plain, spec = self.realized(batch, False), self.realized(batch, True)
+        if speculated and plain is not None and spec is not None:  # back off tries where speculation keeps losing
             gap = self._explore_gap.get(bucket, self.explore_every)
-            lost = self._realized[(bucket, True)] < plain
-            self._explore_gap[bucket] = min(2 * gap, self.explore_max) if lost else self.explore_every
+            self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
     def realized(self, batch: int, speculated: bool) -> float | None:
-        return self._realized.get((_bucket(batch), speculated))
+        """Output tokens/s measured for decode passes at this batch size (its power-of-two bucket)."""
+        sums = self._realized.get((_bucket(batch), speculated))
+        return sums[0] / sums[1] if sums is not None else None
 
     def expected_tokens(self, width: int) -> float:
         if width == 0 or self._rounds == 0:
@@ -198,11 +205,13 @@ class AdaptivePolicy:
         streak = self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1
         if streak >= self.explore_max:
             return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
-        if streak < self._explore_gap.get(bucket, self.explore_every):
+        w = self.max_width
+        spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w) * batch  # one full-width step
+        plain_s = batch / self.rate(batch, 0)  # one plain step
+        affordable = (spec_s / plain_s - 1.0) / self.explore_cost  # plain steps per try within the budget
+        if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
             return False
-        draft = self.draft_seconds(self.max_width) * batch
-        best_case = batch * (self.max_width + 1) / (self.profile.cost(batch, self.max_width + 1) + draft)
-        return best_case > self.rate(batch, 0)
+        return batch * (w + 1) / spec_s > self.rate(batch, 0)  # could win, with every draft accepted
 
     def _check_realized(self, batch: int, best: int) -> int:
         """The model's pick, unless the rates measured at this batch size say the other side is faster.
