@@ -285,9 +285,9 @@ class BatchEngine:
                 groups.setdefault(None if self.config.batch_invariant else type(drafter), []).append(i)
         for cls, idx in groups.items():
             drafters = [self._requests[items[i].seq.request_id].drafter for i in idx]
-            proposed = (cls or Drafter).propose_many([d for d in drafters if d is not None],
-                                        [items[i].seq.token_ids[-1] for i in idx],
-                                        [items[i].num_draft_tokens for i in idx])
+            proposed = (cls or Drafter).propose_many(
+                [d for d in drafters if d is not None], [items[i].seq.token_ids[-1] for i in idx],
+                [items[i].num_draft_tokens for i in idx])
             for i, tree in zip(idx, proposed, strict=True):
                 trees[i] = _truncate(tree, items[i].num_draft_tokens)
         return [t for t in trees if t is not None]
