@@ -54,7 +54,9 @@ class Eagle3Drafter(Drafter):
         self.max_fed = 1 + (spec.num_steps - 1) * spec.eagle_topk
         self.kv = KVCache.allocate(cfg.layer, 1, max_len + self.max_fed, self.device, self.dtype, num_layers=1)
         self.committed = 0  # drafter KV slots holding complete pairs (= target positions before the root)
-        self._pending_hidden: torch.Tensor | None = None  # [n, 3·Ht] features awaiting their next token
+        # [n_i, 3·Ht] parts of the features awaiting their next token (concatenated once, at the next commit);
+        # None right after a commit, until accept()
+        self._pending_hidden: list[torch.Tensor] | None = None
         self._pending_tokens: list[int] = []  # the n-1 next tokens already known
         self._root: int | None = None  # the root this round's pending pair completed with / must complete with
 
@@ -64,15 +66,17 @@ class Eagle3Drafter(Drafter):
             raise ValueError("EAGLE3 needs the target's captured states of every prompt token "
                              "(run the target prefill with capture=drafter.capture)")
         self.committed = 0
-        self._pending_hidden, self._pending_tokens, self._root = hidden, list(prompt_ids[1:]), None
+        self._pending_hidden, self._pending_tokens, self._root = [hidden], list(prompt_ids[1:]), None
 
     @torch.inference_mode()
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
         if hidden is None or hidden.shape[0] != len(tokens):
             raise ValueError("EAGLE3 needs the target's captured states of every accepted token")
         assert tokens[0] == self._root, "accept() must follow propose(root) or skip(root)"
-        pending = self._pending_hidden  # not None after skip(): those pairs wait for the next propose
-        self._pending_hidden = hidden if pending is None else torch.cat((pending, hidden))
+        if self._pending_hidden is None:
+            self._pending_hidden = [hidden]
+        else:  # after skip(): those pairs wait for the next propose
+            self._pending_hidden.append(hidden)
         self._pending_tokens += list(tokens[1:])
         self._root = next_root
 
@@ -120,8 +124,9 @@ class Eagle3Drafter(Drafter):
 
     def _pending_inputs(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending pairs completed with `root`: tokens [n] and features [n, H], for slots committed.."""
-        hidden = self._pending_hidden
-        assert hidden is not None, "propose() must follow prefill() or accept()"
+        parts = self._pending_hidden
+        assert parts is not None, "propose() must follow prefill() or accept()"
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         tokens = torch.tensor([*self._pending_tokens, root], device=self.device)
         return tokens, self.model.project(hidden.to(self.device, self.dtype))
 
@@ -233,7 +238,7 @@ def _propose_chains(drafters: list[Eagle3Drafter], roots: list[int], steps: list
     short: list[int] = []
     for i, (d, root) in enumerate(zip(drafters, roots, strict=True)):
         assert d._pending_hidden is not None, "propose() must follow prefill() or accept()"
-        if d._pending_hidden.shape[0] > _MAX_BATCHED_COMMIT:
+        if sum(int(h.shape[0]) for h in d._pending_hidden) > _MAX_BATCHED_COMMIT:
             feat[i] = d._commit(root)[0]
         else:
             short.append(i)
