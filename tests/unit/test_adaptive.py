@@ -240,7 +240,7 @@ def test_measured_rates_overrule_the_model() -> None:
     policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_cost=10.0)
     for _ in range(20):
         policy.record_accept(4, 4)
-    policy.record_draft(0.0)
+    policy.record_draft(0.0, batch=2)
     assert policy.choose(2) == 4  # nothing measured at batch 2
     policy.record_pass(2, True, tokens=10, seconds=1.0)
     assert policy.choose(2) == 0  # speculation measured, plain not yet: measure it once
@@ -260,7 +260,7 @@ def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
     policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_max=256, explore_cost=10.0)
     for _ in range(20):
         policy.record_accept(4, 4)
-    policy.record_draft(0.0)
+    policy.record_draft(0.0, batch=2)
     picks = []
     for _ in range(400):
         w = policy.choose(2)
@@ -325,3 +325,18 @@ def test_measured_rates_are_sums_not_averages_of_rates() -> None:
     policy.record_pass(1, True, tokens=9, seconds=0.1)
     assert policy.realized(1, True) == pytest.approx((0.9 * 1 + 9) / (0.9 * 1.0 + 0.1))
     assert policy.realized(1, False) is None
+
+
+def test_host_cost_is_kept_per_batch_size() -> None:
+    """Drafting is batched across requests: 1 s per request alone, 0.05 s per request in a batch of 8. Each
+    batch size is charged its own measurement; one never measured speculates once to find out."""
+    policy = AdaptivePolicy(flat(), max_width=4, tree=True)
+    for _ in range(20):
+        policy.record_accept(1, 4)  # E[tokens | 4] = 2
+    policy.record_draft(1.0, batch=1)
+    assert policy.choose(1) == 0  # 1 / 1 s beats 2 / (1.01 + 1) s
+    assert policy.choose(8) == 4  # batch 8 not measured: speculate to learn
+    policy.record_draft(0.05, batch=8)
+    assert policy.draft_seconds(4, 8) == 0.05 and policy.draft_seconds(4, 1) == 1.0
+    assert policy.choose(8) == 4  # 16 tokens / (2.02 + 0.4) s beats 8 / 2 s
+    assert policy.choose(1) == 0

@@ -4,8 +4,10 @@ Inputs:
 - a cost profile, measured once (`measure_profile`) and saved: seconds of one target forward for
   batch b x q new tokens per row (q = 1 is plain decoding, q = w + 1 verifies w drafts);
 - host cost per request (drafting, masks, verification, commit: the step minus its target forward), measured
-  online for plain steps and for speculating steps of each width (chains drafted step by step cost less at a
-  smaller width; a width not measured yet is charged what the full width costs);
+  online for plain steps and for speculating steps of each batch size (power-of-two bucket: drafting is batched
+  across requests, so its cost per request falls with the batch) and width (chains drafted step by step cost
+  less at a smaller width; a width not measured yet is charged what the full width costs; a batch size not
+  measured yet speculates once to find out);
 - acceptance, measured online: P(at least i drafts accepted) from the rounds that verified the full width.
 For b running requests the policy scores every candidate width w (0 = plain decoding):
     rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * host_s(w))      E[tokens | 0] = 1
@@ -121,7 +123,7 @@ class AdaptivePolicy:
         self._rounds = 0.0  # decayed count of full-width rounds
         # width -> host seconds per request of a speculating step of that width (EMA): drafting, tree masks,
         # verification, KV compaction, commit — everything but the target forward
-        self._draft_s: dict[int, float] = {}
+        self._draft_s: dict[tuple[int, int], float] = {}  # (batch bucket, width) -> seconds per request
         self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
         self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
@@ -138,16 +140,18 @@ class AdaptivePolicy:
         for i in range(self.max_width):
             self._at_least[i] = self._at_least[i] * self.decay + (1.0 if i < accepted else 0.0)
 
-    def record_draft(self, seconds_per_request: float, width: int | None = None) -> None:
-        """Host time per request of a step that verified `width` drafts (default: the full width), all of the
-        step but the target forward."""
-        w = self.max_width if width is None else width
-        s = self._draft_s.get(w)
-        self._draft_s[w] = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
+    def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1) -> None:
+        """Host time per request of a step of `batch` requests that verified `width` drafts (default: the full
+        width), all of the step but the target forward."""
+        key = (_bucket(batch), self.max_width if width is None else width)
+        s = self._draft_s.get(key)
+        self._draft_s[key] = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
 
-    def draft_seconds(self, width: int) -> float:
-        """Host seconds per request of a speculating step of `width` (the full width's where not measured)."""
-        return self._draft_s.get(width, self._draft_s.get(self.max_width, 0.0))
+    def draft_seconds(self, width: int, batch: int = 1) -> float:
+        """Host seconds per request of a speculating step of `width` at this batch size (the full width's where
+        `width` was not measured there; 0 where nothing was)."""
+        b = _bucket(batch)
+        return self._draft_s.get((b, width), self._draft_s.get((b, self.max_width), 0.0))
 
     def record_plain(self, seconds_per_request: float) -> None:
         """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
@@ -179,15 +183,15 @@ class AdaptivePolicy:
         """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
         if width == 0:
             return batch / (self.profile.cost(batch, 1) + self._plain_s * batch)
-        draft = self.draft_seconds(width) * batch
+        draft = self.draft_seconds(width, batch) * batch
         return batch * self.expected_tokens(width) / (self.profile.cost(batch, width + 1) + draft)
 
     def choose(self, batch: int) -> int:
         max_width = self.max_width
         if batch == 0:
             return 0
-        if self._rounds == 0 or self.max_width not in self._draft_s:
-            best = max_width  # nothing measured yet: speculate to learn
+        if self._rounds == 0 or (_bucket(batch), max_width) not in self._draft_s:
+            best = max_width  # nothing measured yet (at this batch size): speculate to learn
         else:
             widths = [0, max_width] if self.tree else list(range(max_width + 1))
             best = max(widths, key=lambda w: self.rate(batch, w))
@@ -206,7 +210,7 @@ class AdaptivePolicy:
         if streak >= self.explore_max:
             return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
         w = self.max_width
-        spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w) * batch  # one full-width step
+        spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one full-width step
         plain_s = batch / self.rate(batch, 0)  # one plain step
         affordable = (spec_s / plain_s - 1.0) / self.explore_cost  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):

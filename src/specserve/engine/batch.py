@@ -263,7 +263,7 @@ class BatchEngine:
             elapsed = time.perf_counter() - t0
             host = (elapsed - (self.counters.forward_s - f0)) / len(items)
             if k > 0:
-                self.policy.record_draft(host, k)
+                self.policy.record_draft(host, k, len(items))
             else:
                 self.policy.record_plain(host)
             self.policy.record_pass(len(items), k > 0, sum(len(o.new_token_ids) for o in outs), elapsed)
