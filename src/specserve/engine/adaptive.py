@@ -22,7 +22,9 @@ can cost several plain ones, so the wait is also at least long enough that the t
 under `explore_cost` of the time spent decoding plainly.
 
 Measured rates are decayed sums of tokens over decayed sums of seconds (not averages of per-pass rates), so one
-lucky pass does not flip the decision.
+lucky pass does not flip the decision. The first speculating step after plain ones is not measured: drafters
+catch up then on everything the plain steps committed (one forward over the whole stretch), a cost paid once
+per switch, not per step; a try therefore speculates for two steps and measures the second.
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ class AdaptivePolicy:
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
         self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
         self._model_streak = 0  # steps since plain decoding was last tried where measurements favour speculation
+        self._last_width = 0  # the previous choice
+        self._catch_up = False  # the current step is the first speculating one after plain ones: not measured
+        self._tries_left = 0  # further steps of the current try
         # decode passes per batch bucket (power of two) and speculating or not: decayed (tokens, seconds) sums
         self._realized: dict[tuple[int, bool], tuple[float, float]] = {}
         self.choices: dict[int, int] = {}  # width -> steps that chose it
@@ -143,6 +148,8 @@ class AdaptivePolicy:
     def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1) -> None:
         """Host time per request of a step of `batch` requests that verified `width` drafts (default: the full
         width), all of the step but the target forward."""
+        if self._catch_up:
+            return
         key = (_bucket(batch), self.max_width if width is None else width)
         s = self._draft_s.get(key)
         self._draft_s[key] = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
@@ -159,7 +166,7 @@ class AdaptivePolicy:
 
     def record_pass(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode pass of `batch` requests (drafting, forward, verification) produced `tokens` in `seconds`."""
-        if seconds <= 0:
+        if seconds <= 0 or (speculated and self._catch_up):
             return
         bucket = _bucket(batch)
         t, s = self._realized.get((bucket, speculated), (0.0, 0.0))
@@ -190,16 +197,21 @@ class AdaptivePolicy:
         max_width = self.max_width
         if batch == 0:
             return 0
-        if self._rounds == 0 or (_bucket(batch), max_width) not in self._draft_s:
+        if self._tries_left > 0:
+            self._tries_left -= 1
+            best = max_width
+        elif self._rounds == 0 or (_bucket(batch), max_width) not in self._draft_s:
             best = max_width  # nothing measured yet (at this batch size): speculate to learn
         else:
             widths = [0, max_width] if self.tree else list(range(max_width + 1))
             best = max(widths, key=lambda w: self.rate(batch, w))
             best = self._check_realized(batch, best)
             if best == 0 and self._explore(batch):
-                best = max_width
+                best, self._tries_left = max_width, 1
         if best > 0:
             self._plain_streak[_bucket(batch)] = 0
+        self._catch_up = best > 0 and self._last_width == 0
+        self._last_width = best
         self.choices[best] = self.choices.get(best, 0) + 1
         return best
 
@@ -235,6 +247,7 @@ class AdaptivePolicy:
             self._model_streak = 0
             return 0
         return 0 if plain > spec else best
+
 
 def _bucket(batch: int) -> int:
     """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...) for the measured rates."""
