@@ -172,10 +172,10 @@ class BatchEngine:
     def _forward(self, rows: list[Row]) -> list[RowOutput]:
         t0 = time.perf_counter()
         out = self.runner.forward(rows, self.capture)
-        if self.capture:  # the captured states go next to their K/V
-            for row, res in zip(rows, out, strict=True):
-                assert res.captured is not None
-                self.kv.write_features(row.write_slots, res.captured)
+        if self.capture:  # the captured states go next to their K/V, in one write per forward
+            captured = [res.captured for res in out if res.captured is not None]
+            assert len(captured) == len(rows)
+            self.kv.write_features([s for row in rows for s in row.write_slots], torch.cat(captured))
         self.counters.forward_s += time.perf_counter() - t0
         return out
 

@@ -115,12 +115,7 @@ class DFlashDrafter(Drafter):
         if self.spec.tree == "ddtree":  # a smaller budget builds the best smaller tree, not a cut of the big one
             return build_ddtree(root, log_probs, budget if max_drafts is None else max(1, min(budget, max_drafts)))
         n = budget if max_drafts is None else max(2, min(budget, max_drafts + 1))
-        drafts = log_probs[: n - 1].argmax(dim=-1)  # [n-1]
-        return DraftTree(
-            tokens=torch.cat((torch.tensor([root], device=self.device), drafts)),
-            parents=torch.arange(-1, n - 1, device=self.device),
-            depths=torch.arange(n, device=self.device),
-        )
+        return DraftTree.chain(root, log_probs[: n - 1].argmax(dim=-1))  # drafts [n-1]
 
 
 def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int]) -> torch.Tensor:

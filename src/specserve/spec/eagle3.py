@@ -152,26 +152,23 @@ class Eagle3Drafter(Drafter):
         rows: list[torch.Tensor] = []
         logits = self.model.draft_logits(feat)  # [1, Vd]
         for depth in range(1, steps + 1):
-            if self.params.greedy:
-                tok = self.model.target_ids(logits.argmax(dim=-1))  # [1]
-            else:
-                q = target_probs(self.model.to_target_vocab(logits, float("-inf")), self.params)  # [1, V]
-                tok = sample(q, self.gen)
-                rows.append(q[0])
+            tok = self._pick(logits, rows)
             drafts.append(tok)
             if depth == steps:
                 break
             slot = base + depth - 1
             feat = self._run(tok, feat, torch.tensor([slot], device=self.device), slot)
             logits = self.model.draft_logits(feat)
-        n = len(drafts) + 1
-        probs = torch.stack([torch.zeros_like(rows[0]), *rows]) if rows else None  # [N+1, V]
-        return DraftTree(
-            tokens=torch.cat([torch.tensor([root], device=self.device), *drafts]),
-            parents=torch.arange(-1, n - 1, device=self.device),
-            depths=torch.arange(n, device=self.device),
-            draft_probs=probs,
-        )
+        return _chain_tree(root, drafts, rows)
+
+    def _pick(self, logits: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Draft-vocab logits [1, Vd] -> the next draft token [1] (target ids): argmax, or sampled, its
+        distribution [V] appended to `rows`."""
+        if self.params.greedy:
+            return self.model.target_ids(logits.argmax(dim=-1))
+        q = target_probs(self.model.to_target_vocab(logits, float("-inf")), self.params)  # [1, V]
+        rows.append(q[0])
+        return sample(q, self.gen)
 
     def _tree(self, root: int, feat: torch.Tensor) -> DraftTree:
         base = self.committed  # fed node i >= 1 sits at slot base + i - 1; fed node 0 is the root
@@ -233,7 +230,7 @@ def _run_rows(drafters: list[Eagle3Drafter], tokens: list[torch.Tensor], feats: 
 def _propose_chains(drafters: list[Eagle3Drafter], roots: list[int], steps: list[int]) -> list[DraftTree]:
     """`Eagle3Drafter._chain` for B requests at once: the same drafts, one forward per step for all."""
     first, b = drafters[0], len(drafters)
-    model, dev = first.model, first.device
+    model = first.model
     feat: list[torch.Tensor] = [torch.empty(0)] * b  # [H] current feature of each row
     short: list[int] = []
     for i, (d, root) in enumerate(zip(drafters, roots, strict=True)):
@@ -255,16 +252,8 @@ def _propose_chains(drafters: list[Eagle3Drafter], roots: list[int], steps: list
     active = list(range(b))
     logits = model.draft_logits(torch.stack(feat))  # [B, Vd]
     for depth in range(1, max(steps) + 1):
-        greedy = model.target_ids(logits.argmax(dim=-1))  # [A]
         for row, i in enumerate(active):
-            d = drafters[i]
-            if d.params.greedy:
-                tok = greedy[row:row + 1]
-            else:
-                q = target_probs(model.to_target_vocab(logits[row:row + 1], float("-inf")), d.params)  # [1, V]
-                tok = sample(q, d.gen)
-                rows[i].append(q[0])
-            drafts[i].append(tok)
+            drafts[i].append(drafters[i]._pick(logits[row:row + 1], rows[i]))
         active = [i for i in active if steps[i] > depth]
         if not active:
             break
@@ -274,14 +263,10 @@ def _propose_chains(drafters: list[Eagle3Drafter], roots: list[int], steps: list
         for row, i in enumerate(active):
             feat[i] = out[row, 0]
         logits = model.draft_logits(out[:, 0])
-    trees = []
-    for i, root in enumerate(roots):
-        n = len(drafts[i]) + 1
-        probs = torch.stack([torch.zeros_like(rows[i][0]), *rows[i]]) if rows[i] else None  # [N+1, V]
-        trees.append(DraftTree(
-            tokens=torch.cat([torch.tensor([root], device=dev), *drafts[i]]),
-            parents=torch.arange(-1, n - 1, device=dev),
-            depths=torch.arange(n, device=dev),
-            draft_probs=probs,
-        ))
-    return trees
+    return [_chain_tree(root, d, r) for root, d, r in zip(roots, drafts, rows, strict=True)]
+
+
+def _chain_tree(root: int, drafts: list[torch.Tensor], rows: list[torch.Tensor]) -> DraftTree:
+    """A drafted chain: tokens [1] each; `rows` the sampled drafts' distributions [V] (empty when greedy)."""
+    probs = torch.stack([torch.zeros_like(rows[0]), *rows]) if rows else None  # [N+1, V]
+    return DraftTree.chain(root, torch.cat(drafts), probs)

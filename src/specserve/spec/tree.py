@@ -36,11 +36,17 @@ class DraftTree:
         return bool((self.parents == torch.arange(-1, n - 1, device=self.parents.device)).all())
 
     @classmethod
-    def chain(cls, root: int, drafts: list[int], draft_probs: torch.Tensor | None = None,
+    def chain(cls, root: int, drafts: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None,
               device: torch.device | None = None) -> DraftTree:
-        n = len(drafts) + 1
+        """root, then drafts [N] in a line; drafts given as a tensor stay on its device (no host sync)."""
+        if isinstance(drafts, torch.Tensor):
+            device = drafts.device
+            tokens = torch.cat((torch.tensor([root], dtype=torch.long, device=device), drafts.long()))
+        else:
+            tokens = torch.tensor([root, *drafts], dtype=torch.long, device=device)
+        n = int(tokens.shape[0])
         return cls(
-            tokens=torch.tensor([root, *drafts], dtype=torch.long, device=device),
+            tokens=tokens,
             parents=torch.arange(-1, n - 1, dtype=torch.long, device=device),
             depths=torch.arange(n, dtype=torch.long, device=device),
             draft_probs=draft_probs,
