@@ -3,21 +3,24 @@
     python benchmarks/serving_concurrency.py --model demo --config NGRAM --config "DFLASH draft=16" \\
         --concurrency 1,4,16,32 --out runs/serving_concurrency.json
 
-For every configuration a `specserve serve` subprocess on 127.0.0.1 (a free port; its log beside --out,
-else in a temporary folder), then the `specserve bench serving` client (its Python API) at each
-concurrency level, then SIGTERM (also on errors and Ctrl-C). Configurations, in this order:
+Every configuration gets a `specserve serve` subprocess on 127.0.0.1 (a free port; its log beside --out,
+else in a temporary folder), started one after the other and all kept up (idle servers sleep), then the
+`specserve bench serving` client (its Python API) measures, and every server gets SIGTERM (also on errors
+and Ctrl-C). Configurations:
   NONE                      plain decoding (`--speculative-algorithm NONE`), the baseline;
   CONFIG fixed              each --config with `--no-speculative-adaptive` (every step verifies the full width);
   CONFIG adaptive           each --config with adaptive speculation (the server's default; the server
                             measures its cost profile at start-up when none is cached for the machine).
 A --config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree (benchmarks/speculative.py's
 syntax and parser; the resolved configuration is passed to the server flag by flag).
-After an untimed warm-up (one short request, then each of the 20 built-in `coding` prompts once, which
-also puts them in the prefix cache for every level alike), each level sends max(--num-prompts,
-2 x concurrency) streamed requests of those prompts (shuffled with seed 0, cycled), --output-len tokens
-each (ignore_eos, so every configuration generates the same number of tokens), at --temperature
-(sampled requests carry seed 0). Drafters that read the target's hidden states (EAGLE3, DFLASH) run
-without the prefix cache, as the engine does, so they prefill every prompt.
+After an untimed warm-up of each server (one short request, then each of the 20 built-in `coding` prompts
+once, which also puts them in the prefix cache for every level alike), --rounds rounds: in each, every level
+runs on every server in turn (the servers' order rotates from round to round), so a slow drift of this
+machine's speed hits every configuration alike. A level sends max(--num-prompts, 2 x concurrency) streamed
+requests of those prompts (shuffled with seed 0, cycled), --output-len tokens each (ignore_eos, so every
+configuration generates the same number of tokens), at --temperature (sampled requests carry seed 0).
+A level's tok/s is the median over the rounds, its ratio to NONE the median of the per-round ratios (each
+against the NONE level of the same round); the rounds' own figures are kept beside them.
 
 Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
 the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
@@ -34,9 +37,11 @@ import json
 import os
 import platform
 import shlex
+import statistics
+import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,33 +108,95 @@ def level_count(num_prompts: int, concurrency: int) -> int:
     return max(num_prompts, 2 * concurrency)
 
 
-async def sweep(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The bench serving client against one server: a warm-up request, then each level with its own count."""
-    cfg = ServingConfig(base_url=url, model=SERVED_NAME, output_len=args.output_len, temperature=args.temperature,
-                        seed=SEED if args.temperature > 0 else None, ignore_eos=True)
+@dataclass
+class Live:
+    """A started server and what was measured on it: per concurrency, one level dict per round."""
+
+    variant: Variant
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    entry: dict[str, Any]
+    rounds: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def start_all(variants: list[Variant], args: argparse.Namespace, logs: Path) -> tuple[list[Live], list[dict[str, Any]]]:
+    """Every variant's server, one after the other (an adaptive one may profile at start-up, alone on the
+    machine); the entries of all, those that did not start carrying their error."""
+    live, entries = [], []
+    for i, v in enumerate(variants):
+        stem = f"{i:02d}-" + "".join(ch if ch.isalnum() else "-" for ch in v.name).strip("-")
+        log = logs / f"{stem}.server.log"
+        entry: dict[str, Any] = {"name": v.name, "config": v.config, "adaptive": v.adaptive,
+                                 "serve_args": list(v.serve_args), "server_log": str(log) if args.out else None,
+                                 "error": None, "levels": {}}
+        entries.append(entry)
+        print(f"{v.name}: starting the server (log {log})", file=sys.stderr, flush=True)
+        try:
+            proc, url = start_server(args.model, list(v.serve_args), log, args.server_timeout)
+        except RuntimeError as e:
+            entry["error"] = f"{e}\n{log_tail(log)}"
+            print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
+            continue
+        live.append(Live(v, proc, url, log, entry))
+    return live, entries
+
+
+def _fail(s: Live, e: BaseException) -> None:
+    s.entry["error"] = f"{type(e).__name__}: {e}\n{log_tail(s.log)}"
+    print(f"{s.variant.name}: {s.entry['error']}", file=sys.stderr, flush=True)
+
+
+async def _warm(client: httpx.AsyncClient, cfg: ServingConfig, dataset: Any, widest: int, s: Live) -> None:
+    info = (await server_config(client, s.url)).get("info") or {}
+    s.entry["server_speculative"] = info.get("speculative") if isinstance(info, dict) else None
+    warm = await warm_up(client, cfg, dataset.prompts[0])
+    if not warm["ok"] or not warm["ignore_eos_applied"]:
+        raise RuntimeError(f"the warm-up request failed: {warm['error'] or warm['note']}")
+    # untimed: every prompt once (so every level finds them in the prefix cache alike), batches formed
+    primed = await run_level(client, cfg, dataset.prompts, min(widest, len(dataset.prompts)), ignore_eos=True,
+                             progress=False)
+    if primed["errors"]:
+        raise RuntimeError(f"the warm-up pass failed: {primed['error_messages']}")
+
+
+async def measure(live: list[Live], args: argparse.Namespace) -> None:
+    """Warm every server, then round after round each level on every server in turn (the order rotates each
+    round), so slow drifts of the machine's speed hit every configuration alike. A failing server drops out."""
+    cfgs = [ServingConfig(base_url=s.url, model=SERVED_NAME, output_len=args.output_len,
+                          temperature=args.temperature, seed=SEED if args.temperature > 0 else None, ignore_eos=True)
+            for s in live]
     dataset = load_dataset("coding", args.num_prompts, SEED)
     widest = max(args.concurrency)
     limits = httpx.Limits(max_connections=widest + 4, max_keepalive_connections=widest + 4)
-    timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        info = await server_config(client, url)
-        warm = await warm_up(client, cfg, dataset.prompts[0])
-        if not warm["ok"] or not warm["ignore_eos_applied"]:
-            raise RuntimeError(f"the warm-up request failed: {warm['error'] or warm['note']}")
-        # untimed: every prompt once (so every level finds them in the prefix cache alike), batches formed
-        primed = await run_level(client, cfg, dataset.prompts, min(widest, len(dataset.prompts)), ignore_eos=True,
-                                 progress=False)
-        if primed["errors"]:
-            raise RuntimeError(f"the warm-up pass failed: {primed['error_messages']}")
-        levels = {}
-        for c in args.concurrency:
-            prompts = sample_prompts(dataset, level_count(args.num_prompts, c), SEED)
-            level = await run_level(client, cfg, prompts, c, ignore_eos=True, progress=False)
-            levels[c] = level
-            print(f"  concurrency {c}: {level['completed']}/{level['num_requests']} ok, "
-                  f"{_num(level['output_throughput'], '.1f')} out tok/s, "
-                  f"accept length {_num(level['accept_length'], '.2f')}", file=sys.stderr, flush=True)
-    return {"server": info, "levels": levels}
+    clients = [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s, connect=30.0))
+               for cfg in cfgs]
+    try:
+        for s, client, cfg in zip(live, clients, cfgs, strict=True):
+            try:
+                await _warm(client, cfg, dataset, widest, s)
+            except Exception as e:  # one broken configuration must not lose the others' figures
+                _fail(s, e)
+        order = list(range(len(live)))
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                prompts = sample_prompts(dataset, level_count(args.num_prompts, c), SEED)
+                for i in order[r % len(order):] + order[: r % len(order)]:
+                    s = live[i]
+                    if s.entry["error"]:
+                        continue
+                    try:
+                        level = await run_level(clients[i], cfgs[i], prompts, c, ignore_eos=True, progress=False)
+                    except Exception as e:
+                        _fail(s, e)
+                        continue
+                    s.rounds.setdefault(c, []).append(level)
+                    print(f"  round {r + 1}, {s.variant.name}, concurrency {c}: {level['completed']}/"
+                          f"{level['num_requests']} ok, {_num(level['output_throughput'], '.1f')} out tok/s, "
+                          f"accept length {_num(level['accept_length'], '.2f')}", file=sys.stderr, flush=True)
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 def summarize_level(level: dict[str, Any]) -> dict[str, Any]:
@@ -145,37 +212,34 @@ def summarize_level(level: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_variant(v: Variant, args: argparse.Namespace, log: Path) -> dict[str, Any]:
-    entry: dict[str, Any] = {"name": v.name, "config": v.config, "adaptive": v.adaptive,
-                             "serve_args": list(v.serve_args), "server_log": str(log) if args.out else None,
-                             "error": None, "levels": {}}
-    print(f"{v.name}: starting the server (log {log})", file=sys.stderr, flush=True)
-    try:
-        proc, url = start_server(args.model, list(v.serve_args), log, args.server_timeout)
-    except RuntimeError as e:
-        entry["error"] = f"{e}\n{log_tail(log)}"
-        print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
-        return entry
-    try:
-        result = asyncio.run(sweep(url, args))
-        info = result["server"].get("info") or {}
-        entry["server_speculative"] = info.get("speculative") if isinstance(info, dict) else None
-        entry["levels"] = {str(c): summarize_level(level) for c, level in result["levels"].items()}
-    except Exception as e:  # one broken configuration must not lose the others' figures
-        entry["error"] = f"{type(e).__name__}: {e}\n{log_tail(log)}"
-        print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
-    finally:
-        stop_server(proc)  # SIGTERM, then SIGKILL after 30 s
-    return entry
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known and len(known) == len(values) else None
 
 
-def add_ratios(entries: list[dict[str, Any]]) -> None:
-    base = next(e for e in entries if e["name"] == BASELINE)
-    for e in entries:
-        for c, level in e["levels"].items():
-            plain = base["levels"].get(c, {}).get("output_tok_s")
-            tps = level["output_tok_s"]
-            level["ratio_to_plain"] = tps / plain if tps is not None and plain else None
+def summarize(live: list[Live]) -> None:
+    """Each entry's levels: per round the figures, as the level's figure their median; the ratio to NONE is
+    the median of the per-round ratios (each round's NONE level ran beside the configuration's)."""
+    base = next((s for s in live if s.variant.name == BASELINE), None)
+    for s in live:
+        for c, rounds in s.rounds.items():
+            per = [summarize_level(level) for level in rounds]
+            plain = [summarize_level(level)["output_tok_s"] for level in base.rounds.get(c, [])] if base else []
+            tps = [p["output_tok_s"] for p in per]
+            ratios: list[float | None] = [t / b if t is not None and b else None
+                                          for t, b in zip(tps, plain, strict=False)]
+            fractions = [p["spec_step_fraction"] for p in per if p["spec_step_fraction"] is not None]
+            accepts = [p["accept_length"] for p in per if p["accept_length"] is not None]
+            s.entry["levels"][str(c)] = {
+                **per[-1], "output_tok_s": _median(tps), "rounds_output_tok_s": tps,
+                "ratio_to_plain": _median(ratios) if len(ratios) == len(tps) else None,
+                "rounds_ratio_to_plain": ratios,
+                "accept_length": statistics.mean(accepts) if accepts else None,
+                "spec_step_fraction": statistics.mean(fractions) if fractions else None,
+                "completed": sum(p["completed"] for p in per), "num_requests": sum(p["num_requests"] for p in per),
+                "errors": sum(p["errors"] for p in per),
+                "error_messages": [m for p in per for m in p["error_messages"]],
+            }
 
 
 def _tps(entry: dict[str, Any], c: int) -> float | None:
@@ -209,8 +273,9 @@ def markdown(report: dict[str, Any]) -> str:
     cs = report["concurrency"]
     lines = [f"# Served throughput by concurrency: `{report['model']}`", "",
              f"Output {report['output_len']} tokens (ignore_eos), temperature {report['temperature']}, dataset "
-             f"coding, requests per level {report['requests_per_level']}. Cells: output tok/s (ratio to NONE at "
-             "the same concurrency) · mean accept length · share of steps that speculated.", "",
+             f"coding, requests per level {report['requests_per_level']}, {report['rounds']} interleaved round(s). "
+             "Cells: output tok/s, median over the rounds (median of the per-round ratios to NONE at the same "
+             "concurrency) · mean accept length · share of steps that speculated.", "",
              "| config | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for e in report["configs"]:
         cells = []
@@ -245,6 +310,8 @@ def main() -> int:
     ap.add_argument("--config", action="append", default=[], help="e.g. 'NGRAM draft=12' (repeatable; default NGRAM)")
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per level (at least 2 x concurrency)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="each level this many times per configuration, interleaved; figures are medians")
     ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--modes", default="fixed,adaptive", help="which speculative variants to run besides NONE")
@@ -257,8 +324,8 @@ def main() -> int:
         a.concurrency = [int(c) for c in a.concurrency.split(",") if c.strip()]
         if not a.concurrency or min(a.concurrency) < 1:
             raise ValueError(f"--concurrency needs levels >= 1 like 1,4,16,32, got {a.concurrency}")
-        if a.num_prompts < 1 or a.output_len < 1:
-            raise ValueError("--num-prompts and --output-len must be >= 1")
+        if a.num_prompts < 1 or a.output_len < 1 or a.rounds < 1:
+            raise ValueError("--num-prompts, --output-len and --rounds must be >= 1")
         modes = tuple(m.strip() for m in a.modes.split(","))
         if not modes or any(m not in ("fixed", "adaptive") for m in modes):
             raise ValueError(f"--modes {a.modes!r}: a comma-separated subset of fixed,adaptive")
@@ -269,15 +336,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="serving-concurrency-") as tmp:  # server logs without --out
         logs = a.out.parent / f"{a.out.stem}.logs" if a.out is not None else Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        entries = []
-        for i, v in enumerate(variants):
-            stem = f"{i:02d}-" + "".join(ch if ch.isalnum() else "-" for ch in v.name).strip("-")
-            entries.append(run_variant(v, a, logs / f"{stem}.server.log"))
-    add_ratios(entries)
+        live: list[Live] = []
+        try:
+            live, entries = start_all(variants, a, logs)
+            asyncio.run(measure(live, a))
+        finally:
+            for s in live:
+                stop_server(s.proc)  # SIGTERM, then SIGKILL after 30 s (also on errors and Ctrl-C)
+    summarize(live)
     batching, goal = goals(entries, a.concurrency)
     report = {
         "benchmark": "serving_concurrency", "model": a.model, "command_line": sys.argv,
-        "concurrency": a.concurrency,
+        "concurrency": a.concurrency, "rounds": a.rounds,
         "requests_per_level": {str(c): level_count(a.num_prompts, c) for c in a.concurrency},
         "output_len": a.output_len, "temperature": a.temperature, "dataset": "coding", "ignore_eos": True,
         "extra_serve_args": a.extra_serve_args, "machine": platform.machine(), "cpus": os.cpu_count(),

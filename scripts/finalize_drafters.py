@@ -59,11 +59,28 @@ def measure(algorithm: str, draft_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data_meta: dict[str, Any],
+PROMPT_SETS = {  # how each bundled-corpus prompts file was cut (python -m specserve.train.prompts ...)
+    "prompts.jsonl": "code openings (`python -m specserve.train.prompts --count 408`)",
+    "cont_prompts.jsonl": "mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
+                          "--count 2000`)",
+}
+
+
+def data_line(data_dir: Path, meta: dict[str, Any]) -> str:
+    settings = meta["settings"]
+    prompts = Path(settings["prompts"]).name
+    return (f"- Data `{data_dir}`: `specserve train prepare --prompts {settings['prompts']} --samples-per-prompt "
+            f"{settings['samples_per_prompt']} --temperature {settings['temperature']} --max-new-tokens "
+            f"{settings['max_new_tokens']}`: the demo target regenerated {meta['sequences']} responses "
+            f"({meta['response_tokens']} response tokens, {meta['tokens']} with prompts) to "
+            f"{meta['sequences'] // settings['samples_per_prompt']} {PROMPT_SETS.get(prompts, prompts)} of the "
+            "standard library's training split; none come from the evaluation suites.")
+
+
+def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[tuple[Path, dict[str, Any]]],
          rows: list[dict[str, Any]], spec: SpeculativeConfig) -> str:
     """stages: (run directory, its training command) in order; a later stage starts from the one before
-    (`--init-from`)."""
-    settings = data_meta["settings"]
+    (`--init-from`). data: (prepared directory, its meta.json) of every data set the stages used."""
     lines = [
         f"# demo-{kind}: {'EAGLE-3' if kind == 'eagle3' else 'DFlash'} drafter for the bundled demo target",
         "",
@@ -72,12 +89,7 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data_meta: d
         f"Defaults it runs with: {json.dumps({k: v for k, v in vars(spec).items() if v is not None})}.",
         "",
         "## Training",
-        f"- Data: `specserve train prepare --prompts runs/drafters/prompts.jsonl --samples-per-prompt "
-        f"{settings['samples_per_prompt']} --temperature {settings['temperature']} --max-new-tokens "
-        f"{settings['max_new_tokens']}`: the demo target regenerated {data_meta['sequences']} responses "
-        f"({data_meta['response_tokens']} response tokens, {data_meta['tokens']} with prompts) to "
-        f"{data_meta['sequences'] // settings['samples_per_prompt']} code openings of the standard library's "
-        "training split (`python -m specserve.train.prompts --count 408`); none come from the evaluation suites.",
+        *[data_line(d, meta) for d, meta in data],
     ]
     steps = tokens = 0
     for i, (run, cmd) in enumerate(stages, 1):
@@ -85,7 +97,8 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data_meta: d
         t = summary["time_share"]
         steps, tokens = steps + summary["steps"], tokens + summary["tokens_seen"]
         lines += [
-            f"- Stage {i}: `{cmd}` on 2 CPU cores ({summary['precision']}, both drafters training at once): "
+            f"- Stage {i}: `{cmd}` on 2 CPU cores ({summary['precision']}; other jobs shared the cores, so "
+            "tokens/s is a floor): "
             f"{summary['steps']} steps × 8 sequences, {summary['tokens_seen']} tokens at {summary['tokens_per_s']} "
             f"tokens/s, final loss {summary['final_loss']}; time: target forward {t['target']:.0%}, drafter "
             f"forward {t['drafter_fwd']:.0%}, drafter backward {t['drafter_bwd']:.0%}.",
@@ -113,13 +126,14 @@ def main() -> None:
     ap.add_argument("--eagle3", type=Path, nargs="+", default=[Path("runs/drafters/eagle3")],
                     help="training runs in order (each later one --init-from the one before); the last is bundled")
     ap.add_argument("--dflash", type=Path, nargs="+", default=[Path("runs/drafters/dflash")])
-    ap.add_argument("--data", type=Path, default=Path("runs/drafters/data"))
+    ap.add_argument("--data", type=Path, nargs="+", default=[Path("runs/drafters/data")],
+                    help="every prepared data directory the runs trained on (described on the card)")
     ap.add_argument("--only", choices=("eagle3", "dflash"), default=None)
     ap.add_argument("--eagle3-command", action="append", default=None,
                     help="the training command of each --eagle3 run, in order (for the card)")
     ap.add_argument("--dflash-command", action="append", default=None)
     a = ap.parse_args()
-    meta = json.loads((a.data / "meta.json").read_text())
+    data = [(d, json.loads((d / "meta.json").read_text())) for d in a.data]
     jobs = [("eagle3", "EAGLE3", a.eagle3, "sglang", a.eagle3_command),
             ("dflash", "DFLASH", a.dflash, "dflash", a.dflash_command)]
     for kind, algorithm, runs, fmt, cmds in jobs:
@@ -132,7 +146,7 @@ def main() -> None:
         export(ExportConfig(drafter=run, target="demo", out=dest, format=fmt, dtype="bfloat16"))
         rows = measure(algorithm, dest)
         spec = replace(resolve(algorithm, dest), draft_model_path=dest.name)  # the bundled name, not this path
-        (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, list(zip(runs, cmds, strict=True)), meta, rows,
+        (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, list(zip(runs, cmds, strict=True)), data, rows,
                                                  spec))
         readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
         readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))

@@ -24,8 +24,8 @@ from specserve.spec.dflash_model import init_random_dflash, load_dflash
 from specserve.spec.eagle3_model import Eagle3Model, init_random_eagle3, load_eagle3
 from specserve.tokenizer import Tokenizer
 from specserve.train.cli import add_train_parsers, main, run_training
-from specserve.train.data import BUNDLED_PROMPTS, read_prompts, read_shard
-from specserve.train.prompts import evaluation_texts
+from specserve.train.data import BUNDLED_PROMPTS, load_data, read_prompts, read_shard
+from specserve.train.prompts import build_continuations, evaluation_texts
 from specserve.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -132,6 +132,31 @@ def test_target_drafter_and_data_mismatches_stop_before_training(
     (wrong / "meta.json").write_text(json.dumps({**meta, "vocab_size": 384}))
     assert main(["eagle3", *common[:2], "--data", str(wrong), *common[4:], "--out", str(tmp_path / "r")]) == 2
     assert "vocab_size 384" in capsys.readouterr().err
+    # one bad directory among several is named as well
+    assert main(["eagle3", *common[:2], "--data", str(data_dir), str(wrong), *common[4:],
+                 "--out", str(tmp_path / "r")]) == 2
+    assert f"--data {wrong}" in capsys.readouterr().err
+
+
+def test_several_data_directories_are_pooled(data_dir: Path, tiny_dir: Path) -> None:
+    vocab = load_config(tiny_dir).vocab_size
+    one, info = load_data([data_dir], vocab, 1024)
+    assert info["data_dir"] == str(data_dir) and info["used_sequences"] == len(one)
+    two, both = load_data([data_dir, data_dir], vocab, 1024)
+    assert len(two) == 2 * len(one) and [e.prompt_len for e in two] == [e.prompt_len for e in one] * 2
+    assert [d["data_dir"] for d in both["datasets"]] == [str(data_dir)] * 2
+    assert both["used_sequences"] == len(two) and both["tokens"] == 2 * info["tokens"]
+
+
+def test_continuation_prompts_are_mid_file_training_code_not_evaluation() -> None:
+    cuts = build_continuations(40)
+    assert len(cuts) == 40 and len({c.source for c in cuts}) == 40
+    assert all(20 <= len(c.prompt) <= 1200 for c in cuts)
+    files = {c.source.rsplit(":", 1)[0] for c in cuts}
+    assert len(files) == 40  # round-robin over files: one cut each before any file gets a second
+    evaluation = evaluation_texts()
+    assert not [c for c in cuts for e in evaluation if c.prompt in e or e in c.prompt]
+    assert build_continuations(40) == cuts  # reproducible
 
 
 KILL_AT_STEP_5 = """

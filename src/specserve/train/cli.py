@@ -37,7 +37,7 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
     trained drafter) and the summary. Flags and the target/drafter/data fit are checked before the first step."""
     from specserve.models.llama import CausalLM
     from specserve.models.loader import load_model
-    from specserve.train.data import load_examples
+    from specserve.train.data import load_data
     from specserve.train.distributed import init_distributed
     from specserve.train.evaluate import AcceptanceEvaluator, EvalConfig
     from specserve.train.trainer import Objective, TrainConfig, Trainer
@@ -52,7 +52,7 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
                                         and torch.cuda.is_bf16_supported())
     target, tcfg, target_dir = load_model(a.target, device, torch.bfloat16 if bf16 else torch.float32)
     assert isinstance(target, CausalLM)
-    data, info = load_examples(a.data, tcfg.vocab_size, a.max_len)
+    data, info = load_data(a.data, tcfg.vocab_size, a.max_len)
     objective: Objective
     if kind == "eagle3":
         from specserve.train.eagle3 import Eagle3TrainConfig, build_eagle3
@@ -72,7 +72,7 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
     if cfg.eval_every:
         ref = Path(a.reference_draft) if a.reference_draft else None
         evaluate = AcceptanceEvaluator(kind, target, target_dir, eval_cfg, ref)
-    info = {**info, "data_dir": str(a.data), "target": str(target_dir)}
+    info = {**info, "target": str(target_dir)}
     if info.get("dropped_short") and ctx.main:
         print(f"note: {info['dropped_short']} sequences with < 2 response tokens within --max-len were left out",
               file=sys.stderr)
@@ -100,7 +100,8 @@ def _export(a: argparse.Namespace) -> int:
 
 def _common_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="demo", help="target model: a HF directory or `demo`")
-    p.add_argument("--data", type=Path, required=True, help="a directory written by `specserve train prepare`")
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="one or more directories written by `specserve train prepare` (their sequences are pooled)")
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoint, drafter/, logs)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process per step")

@@ -222,6 +222,21 @@ def load_examples(data_dir: Path, vocab_size: int, max_len: int) -> tuple[list[E
     return examples, {**meta, "dropped_short": dropped, "used_sequences": len(examples)}
 
 
+def load_data(dirs: list[Path], vocab_size: int, max_len: int) -> tuple[list[Example], dict[str, Any]]:
+    """`load_examples` of each directory, pooled in the order given. Info: one directory's as it is (plus
+    `data_dir`); several: `datasets` (each one's info), summed `dropped_short` and `used_sequences`."""
+    if not dirs:
+        raise ValueError("--data: give at least one directory written by `specserve train prepare`")
+    loaded = [load_examples(d, vocab_size, max_len) for d in dirs]
+    infos = [{**info, "data_dir": str(d)} for d, (_, info) in zip(dirs, loaded, strict=True)]
+    examples = [e for part, _ in loaded for e in part]
+    if len(infos) == 1:
+        return examples, infos[0]
+    return examples, {"datasets": infos, "dropped_short": sum(i["dropped_short"] for i in infos),
+                      "used_sequences": len(examples), "sequences": sum(i["sequences"] for i in infos),
+                      "tokens": sum(i["tokens"] for i in infos)}
+
+
 def collate(batch: list[Example], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> ids [B, T] (right-padded with 0; padding sits after every real token, so causal attention never
     sees it), lens [B], prompt_lens [B]."""

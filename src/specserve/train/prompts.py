@@ -1,12 +1,17 @@
 """The bundled drafter-training prompts: code openings cut from the standard library's training split.
 
     python -m specserve.train.prompts --out src/specserve/assets/train_prompts.jsonl --count 320
+    python -m specserve.train.prompts --kind continuations --out runs/drafters/cont_prompts.jsonl --count 2000
 
 An opening is what the evaluation's coding prompts look like: a `def`/`class` header and its docstring
 (methods keep their class's first line), taken from the files the demo target trained on
 (`corpus.is_validation` false, test packages left out). At most one opening per file, chosen by a stable
 hash, so the set is reproducible for a given interpreter. Nothing comes from the evaluation suites:
 openings that share text with `coding10` or `heldout-code` are dropped.
+
+`--kind continuations` cuts what the `heldout-code` suite looks like instead: the last ~1200 characters
+before a line in a file's middle third, starting at a line boundary (several cuts per file, from the same
+training split), so a drafter can also learn the target's continuations of code in mid-file.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import ast
 import hashlib
 import json
+import random
 import sysconfig
 import textwrap
 from dataclasses import dataclass
@@ -81,13 +87,9 @@ def build_openings(count: int) -> list[Opening]:
     """`count` openings, one per file at most, from the training split of the standard library."""
     if count < 1:
         raise ValueError(f"--count must be at least 1, got {count}")
-    root = Path(sysconfig.get_paths()["stdlib"])
     evaluation = evaluation_texts()
     per_file: list[tuple[str, Opening]] = []
-    for path in corpus.stdlib_files():
-        rel = str(path.relative_to(root))
-        if corpus.is_validation(path) or any(p in ("test", "tests", "idle_test") for p in path.parts):
-            continue
+    for path, rel in _training_files():
         text = corpus.read_text(path)
         candidates = [o for o in _openings_of(text or "", rel) if not _clashes(o.prompt, evaluation)]
         if candidates:
@@ -97,6 +99,45 @@ def build_openings(count: int) -> list[Opening]:
     if len(chosen) < count:
         raise ValueError(f"--count {count}: the standard library here yields only {len(chosen)} openings")
     return sorted(chosen, key=lambda o: o.source)
+
+
+def _training_files() -> list[tuple[Path, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(path, str(path.relative_to(root))) for path in corpus.stdlib_files()
+            if not corpus.is_validation(path) and not any(p in ("test", "tests", "idle_test") for p in path.parts)]
+
+
+def build_continuations(count: int, context_chars: int = 1200, seed: int = 0) -> list[Opening]:
+    """`count` mid-file contexts (as `scripts/make_heldout_suite.py` cuts them) from the training split, spread
+    over files round-robin; reproducible for a given interpreter and seed."""
+    if count < 1:
+        raise ValueError(f"--count must be at least 1, got {count}")
+    evaluation = evaluation_texts()
+    rng = random.Random(seed)
+    pools: list[list[Opening]] = []
+    for path, rel in _training_files():
+        text = corpus.read_text(path)
+        if text is None or len(text) < 4 * context_chars:
+            continue
+        lines = text.splitlines(keepends=True)
+        candidates = [i for i in range(len(lines) // 3, 2 * len(lines) // 3)
+                      if lines[i].strip() and not lines[i].lstrip().startswith("#")]
+        rng.shuffle(candidates)
+        cuts = []
+        for i in candidates[:8]:
+            ctx = "".join(lines[: i + 1])[-context_chars:]
+            ctx = ctx[ctx.find("\n") + 1:]
+            if len(ctx) >= MIN_CHARS and not _clashes(ctx, evaluation):
+                cuts.append(Opening(ctx, f"{rel}:{i + 1}"))
+        if cuts:
+            pools.append(cuts)
+    rng.shuffle(pools)
+    chosen: list[Opening] = []
+    for depth in range(8):
+        chosen += [pool[depth] for pool in pools if depth < len(pool)]
+    if len(chosen) < count:
+        raise ValueError(f"--count {count}: the standard library here yields only {len(chosen)} contexts")
+    return sorted(chosen[:count], key=lambda o: o.source)
 
 
 def write_jsonl(openings: list[Opening], out: Path) -> None:
@@ -113,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--count", type=int, default=320)
+    p.add_argument("--kind", choices=("openings", "continuations"), default="openings")
+    p.add_argument("--seed", type=int, default=0, help="continuations: which cuts")
     a = p.parse_args(argv)
-    openings = build_openings(a.count)
+    openings = build_openings(a.count) if a.kind == "openings" else build_continuations(a.count, seed=a.seed)
     write_jsonl(openings, a.out)
     print(json.dumps({"out": str(a.out), "prompts": len(openings), "chars": sum(len(o.prompt) for o in openings)}))
     return 0
