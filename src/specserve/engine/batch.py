@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine.adaptive import AdaptivePolicy
+from specserve.engine.drafting import draft_trees
 from specserve.engine.runner import ModelRunner, Row, RowOutput
 from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
 from specserve.engine.sequence import Sequence
 from specserve.engine.stops import StopChecker
 from specserve.kv.block_pool import BlockPool
-from specserve.kv.host_tier import HostTier
+from specserve.kv.host_tier import HostBlockStore, HostTier
 from specserve.kv.paged import PagedKVCache
 from specserve.kv.radix import RadixCache
 from specserve.layers.sampling import make_generator, pick, target_probs
@@ -126,9 +127,9 @@ class BatchEngine:
             raise ValueError(f"--hicache-size {config.hicache_gb} GB holds no KV block of {block_bytes} bytes")
         use_cache = config.enable_prefix_cache
         self.host: HostTier | None = None
-        self._host_blocks: dict[int, list[torch.Tensor]] = {}
         if host_blocks and use_cache:
-            self.host = HostTier(host_blocks, self._copy_out, self._copy_in)
+            store = HostBlockStore(self.kv)
+            self.host = HostTier(host_blocks, store.copy_out, store.copy_in)
         self.cache = RadixCache(self.pool, self.host) if use_cache else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting),
@@ -243,7 +244,8 @@ class BatchEngine:
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
         t0, f0 = time.perf_counter(), self.counters.forward_s
-        trees = self._draft(items)
+        trees = draft_trees(items, [self._requests[i.seq.request_id].drafter for i in items],
+                            self.config.batch_invariant, self.device)
         rows: list[Row] = []
         for item, tree in zip(items, trees, strict=True):
             n = tree.num_nodes + 1
@@ -268,29 +270,6 @@ class BatchEngine:
                 self.policy.record_plain(host)
             self.policy.record_pass(len(items), k > 0, sum(len(o.new_token_ids) for o in outs), elapsed)
         return outs
-
-    def _draft(self, items: tuple[DecodeItem, ...]) -> list[DraftTree]:
-        """Each decode's tree (just its root where it drafts nothing this step). Drafters of one class propose
-        together, so those that can share their forwards across requests do (not in batch-invariant mode:
-        a request's drafts, and so its sampled tokens, must not depend on the batch)."""
-        trees: list[DraftTree | None] = [None] * len(items)
-        groups: dict[type[Drafter] | None, list[int]] = {}  # None: each drafter on its own
-        for i, item in enumerate(items):
-            drafter = self._requests[item.seq.request_id].drafter
-            if drafter is None or item.num_draft_tokens == 0:
-                if drafter is not None:
-                    drafter.skip(item.seq.token_ids[-1])
-                trees[i] = DraftTree.chain(item.seq.token_ids[-1], [], device=self.device)
-            else:
-                groups.setdefault(None if self.config.batch_invariant else type(drafter), []).append(i)
-        for cls, idx in groups.items():
-            drafters = [self._requests[items[i].seq.request_id].drafter for i in idx]
-            proposed = (cls or Drafter).propose_many(
-                [d for d in drafters if d is not None], [items[i].seq.token_ids[-1] for i in idx],
-                [items[i].num_draft_tokens for i in idx])
-            for i, tree in zip(idx, proposed, strict=True):
-                trees[i] = _truncate(tree, items[i].num_draft_tokens)
-        return [t for t in trees if t is not None]
 
     def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput, speculated: bool) -> list[StepOutput]:
         req = self._requests[item.seq.request_id]
@@ -336,20 +315,3 @@ class BatchEngine:
 
     def _count_finish(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-
-    # -- host tier copies (HiCache)
-
-    def _copy_out(self, block: int, host_slot: int) -> None:
-        self._host_blocks[host_slot] = [t.to("cpu") for t in self.kv.read_block(block)]
-
-    def _copy_in(self, host_slot: int, block: int) -> None:
-        self.kv.write_block(block, [t.to(self.device) for t in self._host_blocks[host_slot]])
-
-
-def _truncate(tree: DraftTree, max_nodes: int) -> DraftTree:
-    """The first `max_nodes` draft nodes (parents precede children, so it is still a tree)."""
-    if tree.num_nodes <= max_nodes:
-        return tree
-    n = max_nodes + 1
-    probs = tree.draft_probs[:n] if tree.draft_probs is not None else None
-    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], probs)

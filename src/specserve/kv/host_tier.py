@@ -2,7 +2,7 @@
 
 Blocks the prefix cache evicts from the device pool are copied to a host slot instead of being
 lost, and copied back on a later prefix hit. This class only manages host slot ids, their LRU
-order and the capacity; the runner supplies the two copies as callbacks, so no tensor lives here:
+order and the capacity; the two copies are callbacks (`HostBlockStore` at the end holds the tensors):
 
     copy_out(device_block, host_slot)   device -> host, before the device block is freed
     copy_in(host_slot, device_block)    host -> device, into a freshly allocated device block
@@ -16,7 +16,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from specserve.kv.block_pool import KVInvariantError
+from specserve.kv.paged import PagedKVCache
 
 CopyFn = Callable[[int, int], None]
 
@@ -111,3 +114,18 @@ class HostTier:
     def _check_used(self, host_slot: int) -> None:
         if host_slot not in self._lru:
             raise KVInvariantError(f"host KV slot {host_slot} is not in use")
+
+
+class HostBlockStore:
+    """The host tier's tensors: copies of whole device blocks (K, V and features of every layer) by host
+    slot, with the two copy callbacks `HostTier` takes."""
+
+    def __init__(self, kv: PagedKVCache) -> None:
+        self.kv = kv
+        self._blocks: dict[int, list[torch.Tensor]] = {}
+
+    def copy_out(self, block: int, host_slot: int) -> None:
+        self._blocks[host_slot] = [t.to("cpu") for t in self.kv.read_block(block)]
+
+    def copy_in(self, host_slot: int, block: int) -> None:
+        self.kv.write_block(block, [t.to(self.kv.device) for t in self._blocks[host_slot]])
