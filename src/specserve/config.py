@@ -71,6 +71,26 @@ class RopeConfig:
         if self.theta <= 0:
             raise ValueError("rope_theta must be positive")
 
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json fields that describe this RoPE (`rope_theta`, `rope_scaling`, ...)."""
+        out: dict[str, Any] = {"rope_theta": self.theta, "rope_scaling": None}
+        if self.partial_rotary_factor != 1.0:
+            out["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.rope_type == "default":
+            return out
+        scaling: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.original_max_position_embeddings is not None:
+            scaling["original_max_position_embeddings"] = self.original_max_position_embeddings
+        if self.rope_type == "llama3":
+            scaling.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
+        if self.rope_type == "yarn":
+            scaling.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
+            for name in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self, name) is not None:
+                    scaling[name] = getattr(self, name)
+        out["rope_scaling"] = scaling
+        return out
+
 
 @dataclass(frozen=True)
 class ModelConfig:

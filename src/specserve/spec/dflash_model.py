@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from specserve.config import ModelConfig, RopeConfig, SpeculativeConfig
+from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.kv.contiguous import KVCache
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm
@@ -128,7 +128,7 @@ class DFlashConfig:
             "hidden_act": "silu", "attention_bias": b.attention_bias, "attention_dropout": 0.0,
             "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
             "layer_types": ["full_attention"] * b.num_hidden_layers, "initializer_range": 0.02,
-            **_rope_to_hf(b.rope),
+            **b.rope.to_hf(),
             "block_size": self.block_size,
             "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids)},
@@ -141,20 +141,6 @@ class DFlashConfig:
         if b.eos_token_ids:
             out["eos_token_id"] = list(b.eos_token_ids) if len(b.eos_token_ids) > 1 else b.eos_token_ids[0]
         return out
-
-
-def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": rope.theta, "rope_scaling": None}
-    if rope.rope_type != "default":
-        scaling: dict[str, Any] = {"rope_type": rope.rope_type, "factor": rope.factor, "truncate": rope.truncate}
-        for key in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
-                    "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
-            if getattr(rope, key) is not None:
-                scaling[key] = getattr(rope, key)
-        out["rope_scaling"] = scaling
-    if rope.partial_rotary_factor != 1.0:
-        out["partial_rotary_factor"] = rope.partial_rotary_factor
-    return out
 
 
 class DFlashAttention(nn.Module):

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from specserve.config import ModelConfig, RopeConfig
+from specserve.config import ModelConfig
 from specserve.kv.contiguous import KVView, causal_mask
 from specserve.kv.rows import RowsView
 from specserve.layers.attention import attend
@@ -120,31 +120,11 @@ class Eagle3Config:
             "norm_before_residual": self.norm_before_residual,
             AUX_FIELD: list(self.aux_layer_ids),
             "eagle_config": {AUX_FIELD: [i - 1 for i in self.aux_layer_ids], "use_aux_hidden_state": True},
-            **_rope_to_hf(c.rope),
+            **c.rope.to_hf(),
         }
         if c.torch_dtype is not None:
             out["torch_dtype"] = c.torch_dtype
         return out
-
-
-def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_theta": rope.theta, "rope_scaling": None}
-    if rope.partial_rotary_factor != 1.0:
-        out["partial_rotary_factor"] = rope.partial_rotary_factor
-    if rope.rope_type == "default":
-        return out
-    scaling: dict[str, Any] = {"rope_type": rope.rope_type, "factor": rope.factor}
-    if rope.original_max_position_embeddings is not None:
-        scaling["original_max_position_embeddings"] = rope.original_max_position_embeddings
-    if rope.rope_type == "llama3":
-        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
-    if rope.rope_type == "yarn":
-        scaling.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate)
-        for name in ("attention_factor", "mscale", "mscale_all_dim"):
-            if getattr(rope, name) is not None:
-                scaling[name] = getattr(rope, name)
-    out["rope_scaling"] = scaling
-    return out
 
 
 class Eagle3Attention(nn.Module):
