@@ -14,8 +14,8 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.engine.plain import generate_plain
 from specserve.spec.decode import generate_speculative
-from specserve.spec.dflash_model import init_random_dflash
-from specserve.spec.eagle3_model import init_random_eagle3
+from specserve.spec.dflash_checkpoint import init_random_dflash
+from specserve.spec.eagle3_checkpoint import init_random_eagle3
 from specserve.spec.factory import DrafterBuilder, plan_drafter
 from specserve.types import GenerationResult, SamplingParams
 

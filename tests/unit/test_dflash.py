@@ -20,15 +20,8 @@ from specserve.models.loader import load_model
 from specserve.spec.ddtree import build_ddtree
 from specserve.spec.decode import generate_speculative
 from specserve.spec.dflash import DFlashDrafter
-from specserve.spec.dflash_model import (
-    DFlashConfig,
-    DFlashDraftModel,
-    check_dflash,
-    default_target_layer_ids,
-    init_random_dflash,
-    load_dflash,
-    save_dflash,
-)
+from specserve.spec.dflash_checkpoint import check_dflash, init_random_dflash, load_dflash, save_dflash
+from specserve.spec.dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from specserve.types import SamplingParams
 
 CPU = torch.device("cpu")

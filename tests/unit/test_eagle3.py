@@ -22,15 +22,8 @@ from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
 from specserve.spec.decode import generate_speculative
 from specserve.spec.eagle3 import Eagle3Drafter
-from specserve.spec.eagle3_model import (
-    Eagle3Config,
-    Eagle3Model,
-    check_eagle3,
-    default_aux_layer_ids,
-    init_random_eagle3,
-    load_eagle3,
-    save_eagle3,
-)
+from specserve.spec.eagle3_checkpoint import check_eagle3, init_random_eagle3, load_eagle3, save_eagle3
+from specserve.spec.eagle3_model import Eagle3Config, Eagle3Model, default_aux_layer_ids
 from specserve.spec.tree import DraftTree
 from specserve.types import SamplingParams
 

@@ -17,9 +17,11 @@ from specserve.kv.contiguous import KVCache
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
 from specserve.spec.dflash import DFlashDrafter
-from specserve.spec.dflash_model import DFlashDraftModel, init_random_dflash, load_dflash
+from specserve.spec.dflash_checkpoint import init_random_dflash, load_dflash
+from specserve.spec.dflash_model import DFlashDraftModel
 from specserve.spec.eagle3 import Eagle3Drafter
-from specserve.spec.eagle3_model import Eagle3Model, init_random_eagle3, load_eagle3
+from specserve.spec.eagle3_checkpoint import init_random_eagle3, load_eagle3
+from specserve.spec.eagle3_model import Eagle3Model
 from specserve.train import checkpoint as ckpt
 from specserve.train.data import Example, read_prompts
 from specserve.train.dflash import (

@@ -24,7 +24,8 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
 from specserve.models.llama import CausalLM
 from specserve.spec.ddtree import build_ddtree
-from specserve.spec.dflash_model import FLAG, DFlashDraftModel, check_against_target, dflash_block_size
+from specserve.spec.dflash_checkpoint import check_against_target, dflash_block_size
+from specserve.spec.dflash_model import FLAG, DFlashDraftModel
 from specserve.spec.drafter import Drafter
 from specserve.spec.tree import DraftTree
 from specserve.types import SamplingParams

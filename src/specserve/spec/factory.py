@@ -56,11 +56,11 @@ def plan_drafter(spec: SpeculativeConfig, target_cfg: ModelConfig) -> DrafterPla
                 f"the target's {target_cfg.vocab_size}; STANDALONE needs the target's tokenizer"
             )
     elif spec.algorithm == "EAGLE3":
-        from specserve.spec.eagle3_model import check_eagle3
+        from specserve.spec.eagle3_checkpoint import check_eagle3
 
         check_eagle3(draft_dir, target_cfg)
     elif spec.algorithm == "DFLASH":
-        from specserve.spec.dflash_model import check_dflash
+        from specserve.spec.dflash_checkpoint import check_dflash
 
         check_dflash(draft_dir, target_cfg, spec)
     return DrafterPlan(spec, draft_dir)
@@ -82,12 +82,12 @@ class DrafterBuilder:
             check_draft_model(draft, target)
             self.weights = draft
         elif plan.spec.algorithm == "EAGLE3":
-            from specserve.spec.eagle3_model import load_eagle3
+            from specserve.spec.eagle3_checkpoint import load_eagle3
 
             assert plan.draft_dir is not None
             self.weights = load_eagle3(plan.draft_dir, target.config, device, dtype)
         elif plan.spec.algorithm == "DFLASH":
-            from specserve.spec.dflash_model import load_dflash
+            from specserve.spec.dflash_checkpoint import load_dflash
 
             assert plan.draft_dir is not None
             self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.llama import CausalLM
-from specserve.spec.dflash_model import DFlashDraftModel, init_random_dflash, load_dflash, save_dflash
+from specserve.spec.dflash_checkpoint import init_random_dflash, load_dflash, save_dflash
+from specserve.spec.dflash_model import DFlashDraftModel
 from specserve.tokenizer import Tokenizer
 from specserve.train.corpus import SPECIAL_TOKENS
 from specserve.train.data import Example, collate

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from specserve.kv.contiguous import KVCache, KVView
 from specserve.models.llama import CausalLM
-from specserve.spec.eagle3_model import Eagle3Model, init_random_eagle3, load_eagle3, save_eagle3
+from specserve.spec.eagle3_checkpoint import init_random_eagle3, load_eagle3, save_eagle3
+from specserve.spec.eagle3_model import Eagle3Model
 from specserve.train.data import Example, collate
 from specserve.train.distributed import sync
 from specserve.train.trainer import Objective, StepLoss

@@ -1,0 +1,155 @@
+"""DFlash drafter checkpoints: read and check a config.json + safetensors directory against the target,
+load, save, and write random-weight drafters (layout: `spec/dflash_model.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.models.loader import resolve_model_path
+from specserve.models.weights import fuse_hf_state, iter_tensors, save_safetensors, split_to_hf, weight_files
+from specserve.spec.dflash_model import ARCH, FLAG, DFlashConfig, DFlashDraftModel, default_target_layer_ids
+
+
+def read_dflash_config(model_dir: Path) -> DFlashConfig:
+    try:
+        return DFlashConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{FLAG} {model_dir}: {e}") from None
+
+
+def check_against_target(cfg: DFlashConfig, target: ModelConfig, where: str) -> None:
+    """The drafter shares the target's embedding and LM head and reads its layers: sizes must agree."""
+    b = cfg.body
+    if b.hidden_size != target.hidden_size:
+        raise ValueError(f"{where}: drafter hidden_size {b.hidden_size} != target hidden_size {target.hidden_size} "
+                         "(DFlash uses the target's embedding and LM head); use a drafter trained for this target")
+    if b.vocab_size != target.vocab_size:
+        raise ValueError(f"{where}: drafter vocab_size {b.vocab_size} != target vocab_size {target.vocab_size}")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_hidden_layers:
+        raise ValueError(f"{where}: drafter num_target_layers {cfg.num_target_layers} != the target's "
+                         f"{target.num_hidden_layers} layers; use a drafter trained for this target")
+    if max(cfg.target_layer_ids) >= target.num_hidden_layers:
+        raise ValueError(f"{where}: dflash_config.target_layer_ids {list(cfg.target_layer_ids)} exceed the "
+                         f"target's {target.num_hidden_layers} layers")
+
+
+def dflash_block_size(spec: SpeculativeConfig, cfg: DFlashConfig) -> int:
+    """The block drafted per round: --speculative-dflash-block-size if set, else the drafter's. A shorter block
+    than trained is allowed (the reference shortens it near max length); a longer one was never trained."""
+    bs = spec.dflash_block_size or cfg.block_size
+    if bs > cfg.block_size:
+        raise ValueError(f"--speculative-dflash-block-size {bs} exceeds the block_size {cfg.block_size} the drafter "
+                         f"at {FLAG} {spec.draft_model_path} was trained with; use at most {cfg.block_size}")
+    if spec.tree == "chain" and spec.num_draft_tokens > bs:
+        raise ValueError(f"--speculative-num-draft-tokens {spec.num_draft_tokens} exceeds the DFlash block "
+                         f"({bs}); a chain verifies at most block_size tokens")
+    return bs
+
+
+def _expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        state = DFlashDraftModel(cfg).state_dict()
+    return {k: tuple(v.shape) for k, v in split_to_hf(state, cfg.body).items()}
+
+
+def _check_weights(model_dir: Path, cfg: DFlashConfig) -> list[Path]:
+    """Compare the safetensors headers with the config (no tensor data read); returns the weight files."""
+    where = f"{FLAG} {model_dir}"
+    try:
+        files = weight_files(model_dir)
+        found: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    found[name.removeprefix("model.")] = tuple(handle.get_slice(name).get_shape())
+    except (ValueError, SafetensorError, OSError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    expected = _expected_shapes(cfg)
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or extra:
+        raise ValueError(f"{where}: weights do not match a {ARCH} config: missing {missing[:4]}, "
+                         f"unexpected {extra[:4]}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            hint = (f" (= len(target_layer_ids) {len(cfg.target_layer_ids)} x hidden_size)" if name == "fc.weight"
+                    else "")
+            raise ValueError(f"{where}: {name} has shape {list(found[name])}, config implies {list(shape)}{hint}")
+    return files
+
+
+def check_dflash(draft_dir: Path, target_cfg: ModelConfig, spec: SpeculativeConfig) -> DFlashConfig:
+    """Everything that can be checked without reading weights: config, target match, block size, weight shapes."""
+    cfg = read_dflash_config(draft_dir)
+    check_against_target(cfg, target_cfg, f"{FLAG} {draft_dir}")
+    dflash_block_size(spec, cfg)
+    _check_weights(draft_dir, cfg)
+    return cfg
+
+
+def load_dflash(path: str | Path, target_cfg: ModelConfig, device: torch.device,
+                dtype: torch.dtype) -> DFlashDraftModel:
+    """A checkpoint directory (or bundled name) -> eval-mode module with `.config`, validated against the target."""
+    try:
+        model_dir = resolve_model_path(path)
+    except ValueError as e:
+        raise ValueError(f"{FLAG}: {e}") from None
+    cfg = read_dflash_config(model_dir)
+    check_against_target(cfg, target_cfg, f"{FLAG} {model_dir}")
+    files = _check_weights(model_dir, cfg)
+    tensors = {f"model.{k.removeprefix('model.')}": t for k, t in iter_tensors(files)}
+    fused = {k.removeprefix("model."): t for k, t in fuse_hf_state(tensors).items()}
+    with torch.device("meta"):
+        module = DFlashDraftModel(cfg)
+    module = module.to_empty(device="cpu")
+    module.load_state_dict(fused, strict=True)
+    module = module.to(device=device, dtype=dtype).eval()
+    module.requires_grad_(False)
+    return module
+
+
+def save_dflash(module: DFlashDraftModel, cfg: DFlashConfig, path: Path) -> None:
+    """Write config.json + model.safetensors in the public layout (split q/k/v and gate/up)."""
+    path.mkdir(parents=True, exist_ok=True)
+    state = split_to_hf({k: v.detach() for k, v in module.state_dict().items()}, cfg.body)
+    save_safetensors(state, path / "model.safetensors")
+    dtype = next(module.parameters()).dtype
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=2) + "\n")
+
+
+def init_random_dflash(
+    target_cfg: ModelConfig, path: Path, seed: int = 0, *, num_hidden_layers: int = 2, block_size: int = 16,
+    target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
+    intermediate_size: int | None = None, num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None, head_dim: int | None = None,
+) -> DFlashConfig:
+    """Write a random-weight drafter for `target_cfg` (HF-style init: N(0, 0.02) weights, unit norms).
+    Defaults: the target's head layout, num_hidden_layers tapped layers spread by `default_target_layer_ids`,
+    mask token = the last vocabulary id (padded vocabularies leave it unused)."""
+    body = replace(
+        target_cfg, architecture=ARCH, num_hidden_layers=num_hidden_layers, qk_norm=True, tie_word_embeddings=False,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
+        num_attention_heads=num_attention_heads or target_cfg.num_attention_heads,
+        num_key_value_heads=num_key_value_heads or target_cfg.num_key_value_heads,
+        head_dim=head_dim or target_cfg.head_dim, attention_bias=False, o_proj_bias=False, mlp_bias=False,
+    )
+    ids = tuple(target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, num_hidden_layers))
+    mask = target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id
+    cfg = DFlashConfig(body, ids, mask, block_size, target_cfg.num_hidden_layers)
+    module = DFlashDraftModel(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    save_dflash(module, cfg, path)
+    return cfg
