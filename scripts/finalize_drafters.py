@@ -63,6 +63,8 @@ PROMPT_SETS = {  # how each bundled-corpus prompts file was cut (python -m specs
     "prompts.jsonl": "code openings (`python -m specserve.train.prompts --count 408`)",
     "cont_prompts.jsonl": "mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
                           "--count 2000`)",
+    "cont_prompts2.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
+                           "--count 2500 --seed 1 --exclude runs/drafters/cont_prompts.jsonl`)",
 }
 
 

@@ -158,6 +158,9 @@ def test_continuation_prompts_are_mid_file_training_code_not_evaluation() -> Non
     evaluation = evaluation_texts()
     assert not [c for c in cuts for e in evaluation if c.prompt in e or e in c.prompt]
     assert build_continuations(40) == cuts  # reproducible
+    gone = frozenset(c.source for c in cuts[:5])
+    other = build_continuations(40, seed=1, exclude=gone)
+    assert len(other) == 40 and not gone & {c.source for c in other}
 
 
 KILL_AT_STEP_5 = """

@@ -107,9 +107,11 @@ def _training_files() -> list[tuple[Path, str]]:
             if not corpus.is_validation(path) and not any(p in ("test", "tests", "idle_test") for p in path.parts)]
 
 
-def build_continuations(count: int, context_chars: int = 1200, seed: int = 0) -> list[Opening]:
+def build_continuations(count: int, context_chars: int = 1200, seed: int = 0,
+                        exclude: frozenset[str] = frozenset()) -> list[Opening]:
     """`count` mid-file contexts (as `scripts/make_heldout_suite.py` cuts them) from the training split, spread
-    over files round-robin; reproducible for a given interpreter and seed."""
+    over files round-robin; reproducible for a given interpreter and seed. Cuts whose source ("file:line") is
+    in `exclude` are left out (to make a set disjoint from an earlier one)."""
     if count < 1:
         raise ValueError(f"--count must be at least 1, got {count}")
     evaluation = evaluation_texts()
@@ -127,8 +129,9 @@ def build_continuations(count: int, context_chars: int = 1200, seed: int = 0) ->
         for i in candidates[:8]:
             ctx = "".join(lines[: i + 1])[-context_chars:]
             ctx = ctx[ctx.find("\n") + 1:]
-            if len(ctx) >= MIN_CHARS and not _clashes(ctx, evaluation):
-                cuts.append(Opening(ctx, f"{rel}:{i + 1}"))
+            source = f"{rel}:{i + 1}"
+            if len(ctx) >= MIN_CHARS and source not in exclude and not _clashes(ctx, evaluation):
+                cuts.append(Opening(ctx, source))
         if cuts:
             pools.append(cuts)
     rng.shuffle(pools)
@@ -156,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=320)
     p.add_argument("--kind", choices=("openings", "continuations"), default="openings")
     p.add_argument("--seed", type=int, default=0, help="continuations: which cuts")
+    p.add_argument("--exclude", type=Path, default=None,
+                   help="continuations: leave out the cuts (same file:line) of this earlier prompts file")
     a = p.parse_args(argv)
-    openings = build_openings(a.count) if a.kind == "openings" else build_continuations(a.count, seed=a.seed)
+    if a.kind == "openings":
+        openings = build_openings(a.count)
+    else:
+        exclude = frozenset(json.loads(line)["source"] for line in a.exclude.read_text().splitlines()) \
+            if a.exclude else frozenset()
+        openings = build_continuations(a.count, seed=a.seed, exclude=exclude)
     write_jsonl(openings, a.out)
     print(json.dumps({"out": str(a.out), "prompts": len(openings), "chars": sum(len(o.prompt) for o in openings)}))
     return 0
