@@ -147,6 +147,10 @@ def test_several_data_directories_are_pooled(data_dir: Path, tiny_dir: Path) -> 
     assert len(two) == 2 * len(one) and [e.prompt_len for e in two] == [e.prompt_len for e in one] * 2
     assert [d["data_dir"] for d in both["datasets"]] == [str(data_dir)] * 2
     assert both["used_sequences"] == len(two) and both["tokens"] == 2 * info["tokens"]
+    from specserve.train.export import _model_card
+
+    card = _model_card("dflash", "dflash", Path("out"), "demo", {"data": both, "steps": 1})
+    assert card.count(f"`{info['settings']['prompts']}`") == 2 and "temperature None" not in card
 
 
 def test_continuation_prompts_are_mid_file_training_code_not_evaluation() -> None:
