@@ -311,14 +311,23 @@ def test_host_cost_is_kept_per_width() -> None:
 
 
 def test_exploration_stays_within_its_cost_budget() -> None:
-    """A full-width step costs 3x a plain one (steep profile, free drafting): trying it after every 4 plain steps
-    would spend 50% more time; with a 5% budget the tries come 40 plain steps apart."""
+    """A full-width step costs 3x a plain one (steep profile, free drafting): a try (two such steps) after every
+    4 plain steps would spend 100% more time; with a 5% budget the tries come 80 plain steps apart. Once a try's
+    first step is seen to pay a catch-up of 6 plain steps' worth, they come 200 apart."""
     policy = AdaptivePolicy(steep(), max_width=4, tree=True, explore_every=4, explore_cost=0.05)
     for _ in range(20):
         policy.record_accept(0, 4)  # nothing accepted: the model picks plain decoding
     policy.record_draft(0.0)
-    picks = [policy.choose(1) for _ in range(120)]
-    assert [i for i, w in enumerate(picks) if w > 0] == [39, 40, 80, 81]  # two-step tries
+    picks = [policy.choose(1) for _ in range(170)]
+    assert [i for i, w in enumerate(picks) if w > 0] == [79, 80, 160, 161]  # two-step tries
+    picks = []
+    for _ in range(600):
+        picks.append(policy.choose(1))
+        if picks[-1] > 0:  # the engine reports each speculating step's host time; a try's first one catches up
+            policy.record_draft(6.0 if len(picks) < 2 or picks[-2] == 0 else 0.0)
+    # the next try still comes 80 plain steps after the last one (8 of them were above); it pays the catch-up,
+    # and from then on each try is charged 2 x 2 + 6 plain steps' worth: 200 plain steps apart
+    assert [i for i, w in enumerate(picks) if w > 0] == [71, 72, 272, 273, 473, 474]
     with pytest.raises(ValueError, match="explore_cost"):
         AdaptivePolicy(flat(), max_width=4, tree=True, explore_cost=0.0)
 

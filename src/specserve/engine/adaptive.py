@@ -19,12 +19,15 @@ full-width step is tried after `explore_every` plain steps, but only where specu
 (with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
 (up to `explore_max` steps; a try where speculation wins resets it). At high concurrency a speculative step
 can cost several plain ones, so the wait is also at least long enough that the tries' extra cost stays
-under `explore_cost` of the time spent decoding plainly.
+under `explore_cost` of the time spent decoding plainly. A try's cost counts both of its steps and the
+drafters' catch-up (see below), measured at that batch size: at high concurrency the catch-up runs the drafter
+over every prompt and token committed since the last speculation, which can cost many plain steps.
 
 Measured rates are decayed sums of tokens over decayed sums of seconds (not averages of per-pass rates), so one
 lucky pass does not flip the decision. The first speculating step after plain ones is not measured: drafters
 catch up then on everything the plain steps committed (one forward over the whole stretch), a cost paid once
-per switch, not per step; a try therefore speculates for two steps and measures the second.
+per switch, not per step; a try therefore speculates for two steps and measures the second. The catch-up
+step's host time is kept apart (per batch size) and charged to exploration.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class AdaptivePolicy:
         # verification, KV compaction, commit — everything but the target forward
         self._draft_s: dict[tuple[int, int], float] = {}  # (batch bucket, width) -> seconds per request
         self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
+        self._catch_up_s: dict[int, float] = {}  # batch bucket -> host seconds per request of a catch-up step
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
         self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
         self._model_streak = 0  # steps since plain decoding was last tried where measurements favour speculation
@@ -148,7 +152,10 @@ class AdaptivePolicy:
     def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1) -> None:
         """Host time per request of a step of `batch` requests that verified `width` drafts (default: the full
         width), all of the step but the target forward."""
-        if self._catch_up:
+        if self._catch_up:  # the first speculating step after plain ones: drafters catch up on the backlog
+            b = _bucket(batch)
+            c = self._catch_up_s.get(b)
+            self._catch_up_s[b] = seconds_per_request if c is None else 0.5 * c + 0.5 * seconds_per_request
             return
         key = (_bucket(batch), self.max_width if width is None else width)
         s = self._draft_s.get(key)
@@ -224,7 +231,9 @@ class AdaptivePolicy:
         w = self.max_width
         spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one full-width step
         plain_s = batch / self.rate(batch, 0)  # one plain step
-        affordable = (spec_s / plain_s - 1.0) / self.explore_cost  # plain steps per try within the budget
+        catch_up = max(0.0, self._catch_up_s.get(bucket, 0.0) - self.draft_seconds(w, batch)) * batch
+        extra = 2 * (spec_s - plain_s) + catch_up  # a try: two full-width steps, the first one catching up
+        affordable = extra / (plain_s * self.explore_cost)  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
             return False
         return batch * (w + 1) / spec_s > self.rate(batch, 0)  # could win, with every draft accepted
