@@ -120,10 +120,11 @@ class Live:
     rounds: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
 
-def start_all(variants: list[Variant], args: argparse.Namespace, logs: Path) -> tuple[list[Live], list[dict[str, Any]]]:
+def start_all(variants: list[Variant], args: argparse.Namespace, logs: Path, live: list[Live]) -> list[dict[str, Any]]:
     """Every variant's server, one after the other (an adaptive one may profile at start-up, alone on the
-    machine); the entries of all, those that did not start carrying their error."""
-    live, entries = [], []
+    machine), appended to `live` as it answers (so an interrupt still stops those already up); the entries of
+    all, those that did not start carrying their error."""
+    entries: list[dict[str, Any]] = []
     for i, v in enumerate(variants):
         stem = f"{i:02d}-" + "".join(ch if ch.isalnum() else "-" for ch in v.name).strip("-")
         log = logs / f"{stem}.server.log"
@@ -139,7 +140,7 @@ def start_all(variants: list[Variant], args: argparse.Namespace, logs: Path) -> 
             print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
             continue
         live.append(Live(v, proc, url, log, entry))
-    return live, entries
+    return entries
 
 
 def _fail(s: Live, e: BaseException) -> None:
@@ -338,7 +339,7 @@ def main() -> int:
         logs.mkdir(parents=True, exist_ok=True)
         live: list[Live] = []
         try:
-            live, entries = start_all(variants, a, logs)
+            entries = start_all(variants, a, logs, live)
             asyncio.run(measure(live, a))
         finally:
             for s in live:
