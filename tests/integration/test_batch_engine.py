@@ -160,7 +160,7 @@ class CyclingPolicy(AdaptivePolicy):
     """Verifies 0, 1, ..., max_width drafts in turn: every cut of the drafts, and plain steps in between."""
 
     def __init__(self, max_width: int) -> None:
-        super().__init__(CostProfile("test", (1,), (1,), ((1.0,),)), max_width, tree=False)
+        super().__init__(CostProfile("test", (1,), (1,), ((1.0,),)), max_width, stepwise=False)
         self.turn = 0
 
     def choose(self, batch: int) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import AdaptivePolicy, CostProfile
+from specserve.engine.adaptive import MIN_PASSES, AdaptivePolicy, CostProfile
 from specserve.engine.batch import BatchEngine, EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.profile import engine_profile, profile_grid, profile_key
@@ -87,36 +87,43 @@ def steep() -> CostProfile:
     return CostProfile("k", (1,), (1, 2, 3, 5), ((1.0, 1.5, 2.0, 3.0),))
 
 
+def chain(accepted: int) -> list[int]:
+    """The accepted path of a chain round that accepted `accepted` drafts: node indices 1..accepted."""
+    return list(range(1, accepted + 1))
+
+
 def test_policy_needs_a_width() -> None:
     with pytest.raises(ValueError, match="draft width"):
-        AdaptivePolicy(flat(), max_width=0, tree=False)
+        AdaptivePolicy(flat(), max_width=0, stepwise=True)
 
 
 def test_no_data_speculates() -> None:
-    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=True)
     assert policy.choose(3) == 4
     policy.record_draft(0.001)
     assert policy.choose(3) == 4  # drafting measured, acceptance not yet
-    policy.record_accept(0, 2)  # a cut round says nothing about the full width
-    assert policy.expected_tokens(4) == 1.0
+    assert policy.expected_tokens(4) == 5.0  # before any round: one pseudo-round accepting every node
+    policy.record_accept(chain(0), 2)  # a cut round measures only its own nodes, not the full width's
+    assert policy.expected_tokens(2) == pytest.approx(1.0 + 2 * 0.98 / 1.98)
+    assert policy.expected_tokens(4) == pytest.approx(policy.expected_tokens(2) + 2.0)
     assert policy.choose(3) == 4
     assert policy.choose(0) == 0  # nothing running
     assert policy.choices == {4: 3}
 
 
 def test_high_acceptance_cheap_drafting_takes_the_max_width() -> None:
-    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=True)
     for _ in range(20):
-        policy.record_accept(4, 4)
+        policy.record_accept(chain(4), 4)
     policy.record_draft(0.0)
     assert policy.expected_tokens(4) == pytest.approx(5.0)
     assert policy.expected_tokens(2) == pytest.approx(3.0)
     assert policy.rate(1, 4) == pytest.approx(5.0 / flat().cost(1, 5))
     assert policy.choose(1) == 4 and policy.choose(8) == 4
     # the same acceptance with drafting as slow as 5 target forwards: plain decoding wins
-    slow = AdaptivePolicy(flat(), max_width=4, tree=False)
+    slow = AdaptivePolicy(flat(), max_width=4, stepwise=True)
     for _ in range(20):
-        slow.record_accept(4, 4)
+        slow.record_accept(chain(4), 4)
     slow.record_draft(5.0)
     assert slow.rate(1, 4) == pytest.approx(5.0 / (flat().cost(1, 5) + 5.0))
     assert slow.choose(1) == 0
@@ -125,9 +132,9 @@ def test_high_acceptance_cheap_drafting_takes_the_max_width() -> None:
 def test_plain_host_cost_counts_against_plain_decoding() -> None:
     """Host work per request of plain steps (sampling, commits, drafter bookkeeping) enters plain's rate, so a
     speculative round that costs 1.5 extra forward-equivalents per request wins once plain steps pay as much."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
     for _ in range(20):
-        policy.record_accept(1, 4)  # one draft accepted per round: E[tokens] = 2
+        policy.record_accept(chain(1), 4)  # one draft accepted per round: E[tokens] = 2
     policy.record_draft(1.5)
     assert policy.choose(1) == 0  # plain: 1 token / T(1,1) = 1; speculation: 2 / (T(1,w+1) + 1.5) ~ 0.8
     before = policy.rate(1, 0)
@@ -139,9 +146,9 @@ def test_plain_host_cost_counts_against_plain_decoding() -> None:
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
-    policy = AdaptivePolicy(steep(), max_width=4, tree=tree, explore_every=4, explore_cost=10.0)
+    policy = AdaptivePolicy(steep(), max_width=4, stepwise=tree, explore_every=4, explore_cost=10.0, prior_rounds=0)
     for _ in range(20):
-        policy.record_accept(0, 4)
+        policy.record_accept(chain(0), 4)
     policy.record_draft(0.01)
     assert policy.expected_tokens(4) == 1.0
     # a try speculates two steps: the first catches the drafter up (not measured), the second is measured
@@ -149,27 +156,36 @@ def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
     assert policy.choices == {0: 6, 4: 4}
 
 
-def test_chains_cut_to_an_intermediate_width_trees_do_not() -> None:
-    """First draft always accepted, the second never: a chain verifies 1 draft; a tree all (4) or none."""
-    for tree, want in ((False, 1), (True, 0)):
-        policy = AdaptivePolicy(steep(), max_width=4, tree=tree)
+def test_chains_and_trees_are_cut_to_the_best_width() -> None:
+    """Rates at b = 1 on the steep profile are E[tokens | w] / (1 + w / 2). A chain whose first draft is always
+    accepted and its second never verifies 1 draft (2 / 1.5). A tree whose accepted path is nodes 2 then 3 (node 1
+    a rejected sibling of node 2) gains nothing from w = 1, one token from w = 2 and two from w = 3: 3 / 2.5 beats
+    plain (1), w = 2 (2 / 2) and the whole tree (3 / 3)."""
+    for path, want in (([1], 1), ([2, 3], 3)):
+        policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, prior_rounds=0)
         for _ in range(20):
-            policy.record_accept(1, 4)
+            policy.record_accept(path, 4)
         policy.record_draft(0.0)
-        # rates at b = 1: w=0 -> 1/1, w=1 -> 2/1.5, w=2 -> 2/2, w=4 -> 2/3
-        assert policy.choose(1) == want, tree
+        assert [policy.expected_tokens(w) for w in range(5)] == pytest.approx(
+            [1.0, *(1.0 + sum(1 for j in path if j <= w) for w in range(1, 5))])
+        assert policy.choose(1) == want, path
 
 
-def test_trees_choose_only_none_or_all() -> None:
-    seen = set()
-    for accepted in range(5):
-        for draft_s in (0.0, 0.3, 3.0):
-            policy = AdaptivePolicy(steep(), max_width=4, tree=True)
-            for _ in range(10):
-                policy.record_accept(accepted, 4)
-            policy.record_draft(draft_s)
-            seen.add(policy.choose(1))
-    assert seen == {0, 4}
+def test_cut_rounds_measure_their_own_nodes_and_the_full_width_is_revisited() -> None:
+    """Rounds cut to 2 nodes update nodes 1-2 only; while speculating, every `explore_every`-th step verifies the
+    full width (so that deeper nodes stay measured) or decodes plainly (so that its rate stays measured)."""
+    policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, explore_every=4, prior_rounds=0)
+    for _ in range(20):
+        policy.record_accept([1], 4)  # E = 2 at every width >= 1: the best is w = 1
+    assert policy.expected_tokens(2) == pytest.approx(2.0)
+    for _ in range(50):
+        policy.record_accept([1, 2], 2)  # node 2 is now accepted too (only rounds of width >= 2 say so)
+    assert 2.8 < policy.expected_tokens(2) < 3.0  # decayed: the 20 older rounds still weigh 0.98^50
+    assert policy.expected_tokens(4) == policy.expected_tokens(2)  # nodes 3, 4: measured never accepted
+    policy.record_draft(0.0)
+    picks = [policy.choose(1) for _ in range(8)]
+    # w = 2 (2.84 / 2) beats w = 1 (2 / 1.5); every 4th step goes to the full width or plain decoding in turn
+    assert picks == [2, 2, 2, 4, 2, 2, 2, 0]
 
 
 # -- engine_profile on a tiny engine
@@ -237,55 +253,77 @@ def test_engine_profile_refuses_a_busy_or_small_engine(llm: LLM, tmp_path: Path)
 
 def test_measured_rates_overrule_the_model() -> None:
     """The model (free drafting, full acceptance) picks speculation; passes measured at this batch size show plain
-    decoding producing more tokens per second, so plain wins, and speculation is still re-tried now and then."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_cost=10.0)
+    decoding producing more tokens per second, so plain wins, and speculation is still re-tried now and then.
+    A width's rate counts once MIN_PASSES passes of it were measured (one pass can be a request's last, cut
+    short by its token limit)."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=8, explore_cost=10.0)
     for _ in range(20):
-        policy.record_accept(4, 4)
+        policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
     assert policy.choose(2) == 4  # nothing measured at batch 2
-    policy.record_pass(2, True, tokens=1000, seconds=1.0)  # the first speculating step catches up: not measured
-    assert policy.realized(2, True) is None
+    policy.record_pass(2, 4, tokens=1000, seconds=1.0)  # the first speculating step catches up: not measured
+    assert policy.realized(2, 4) is None
+    for _ in range(MIN_PASSES - 1):
+        assert policy.choose(2) == 4
+        policy.record_pass(2, 4, tokens=10, seconds=1.0)
+        assert policy.realized(2, 4) is None  # too few passes to judge
     assert policy.choose(2) == 4
-    policy.record_pass(2, True, tokens=10, seconds=1.0)
-    assert policy.choose(2) == 0  # speculation measured, plain not yet: measure it once
-    policy.record_pass(2, False, tokens=30, seconds=1.0)
-    picks = [policy.choose(2) for _ in range(8)]
-    assert picks.count(0) >= 5 and 4 in picks  # plain is faster here; speculation explored
+    policy.record_pass(2, 4, tokens=10, seconds=1.0)
+    assert policy.realized(2, 4) == pytest.approx(10.0)
+    for _ in range(MIN_PASSES):
+        assert policy.choose(2) == 0  # speculation measured, plain not yet: measure it
+        policy.record_pass(2, 0, tokens=30, seconds=1.0)
+    picks = [policy.choose(2) for _ in range(12)]
+    assert picks.count(0) >= 6 and 4 in picks, picks  # plain is faster here; speculation explored
     assert policy.choose(1) == 4 and policy.choose(8) == 4  # other batch sizes: their own measurements (none)
-    policy.record_pass(2, True, tokens=100, seconds=1.0)
-    policy.record_pass(2, True, tokens=100, seconds=1.0)
-    policy.record_pass(2, True, tokens=100, seconds=1.0)
+    for _ in range(3):
+        policy.record_pass(2, 4, tokens=100, seconds=1.0)
     picks = [policy.choose(2) for _ in range(8)]
     assert picks.count(4) >= 6, picks  # speculation has become faster at batch 2 (plain re-measured now and then)
+
+
+def test_measured_rates_are_kept_per_width() -> None:
+    """Width 1 measured slower than plain decoding does not stop width 4, which the model prefers, being tried
+    and measured."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
+    for _ in range(20):
+        policy.record_accept(chain(4), 4)
+    policy.record_draft(0.0, batch=2)
+    for _ in range(MIN_PASSES):
+        policy.record_pass(2, 0, tokens=3, seconds=1.0)
+        policy.record_pass(2, 1, tokens=1, seconds=1.0)
+    assert policy.realized(2, 1) == pytest.approx(1.0) and policy.realized(2, 4) is None
+    assert policy.rate(2, 4) > 3.0  # the model: 2 x 5 tokens / T(2, 5) ~ 1.14 s
+    assert policy.choose(2) == 4
 
 
 def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
     """Passes at batch 2 measure plain decoding at 30 tok/s and speculation at 10: each try that confirms it
     doubles the wait, so over 400 steps speculation is tried a handful of times, not once in 4 steps."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=True, explore_every=4, explore_max=256, explore_cost=10.0)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=4, explore_max=256, explore_cost=10.0)
     for _ in range(20):
-        policy.record_accept(4, 4)
+        policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
     picks = []
     for _ in range(400):
         w = policy.choose(2)
         picks.append(w)
-        policy.record_pass(2, w > 0, tokens=10 if w > 0 else 30, seconds=1.0)
+        policy.record_pass(2, w, tokens=10 if w > 0 else 30, seconds=1.0)
     tries = [i for i, w in enumerate(picks) if w > 0 and (i == 0 or picks[i - 1] == 0)]  # first steps of tries
     assert 3 <= len(tries) <= 8, tries
     gaps = [b - a for a, b in itertools.pairwise(tries[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= 64  # the waits grow
-    policy.record_pass(2, True, tokens=500, seconds=1.0)  # speculation has become the faster: tries come back
-    policy.record_pass(2, True, tokens=500, seconds=1.0)
+    policy.record_pass(2, 4, tokens=500, seconds=1.0)  # speculation has become the faster: tries come back
+    policy.record_pass(2, 4, tokens=500, seconds=1.0)
     assert 4 in [policy.choose(2) for _ in range(8)]
 
 
 def test_no_exploration_where_speculation_cannot_win() -> None:
     """Drafting as slow as 5 target forwards per request: even with every draft accepted speculation loses, so
     it is only re-measured after `explore_max` plain steps."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=False, explore_every=4, explore_max=64)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=True, explore_every=4, explore_max=64)
     for _ in range(20):
-        policy.record_accept(4, 4)
+        policy.record_accept(chain(4), 4)
     policy.record_draft(5.0)
     picks = [policy.choose(1) for _ in range(128)]
     assert [i for i, w in enumerate(picks) if w > 0] == [63, 64]  # one two-step try
@@ -293,14 +331,19 @@ def test_no_exploration_where_speculation_cannot_win() -> None:
 
 def test_exploration_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="explore_every <= explore_max"):
-        AdaptivePolicy(flat(), max_width=4, tree=False, explore_every=32, explore_max=16)
+        AdaptivePolicy(flat(), max_width=4, stepwise=True, explore_every=32, explore_max=16)
 
 
 def test_host_cost_is_kept_per_width() -> None:
-    """A chain cut to 1 draft costs less to draft than the full 4; until measured it is charged the full cost."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=False)
+    """A chain cut to 1 draft costs less to draft than the full 4; until measured it is charged the full cost
+    (where drafting is one forward whatever the width), or the full cost scaled by (1 + 1) / (4 + 1) where each
+    draft is a drafter step."""
+    stepwise = AdaptivePolicy(flat(), max_width=4, stepwise=True)
+    stepwise.record_draft(1.0)
+    assert stepwise.draft_seconds(1) == pytest.approx(0.4) and stepwise.draft_seconds(4) == 1.0
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
     for _ in range(20):
-        policy.record_accept(1, 4)  # E[tokens | w >= 1] = 2
+        policy.record_accept(chain(1), 4)  # E[tokens | w >= 1] = 2
     policy.record_draft(1.0)  # the full width's drafting: as slow as a forward per request
     assert policy.draft_seconds(1) == policy.draft_seconds(4) == 1.0
     assert policy.choose(1) == 0  # 1 token / 1 s beats 2 / (1.5 + 1) s
@@ -314,9 +357,9 @@ def test_exploration_stays_within_its_cost_budget() -> None:
     """A full-width step costs 3x a plain one (steep profile, free drafting): a try (two such steps) after every
     4 plain steps would spend 100% more time; with a 5% budget the tries come 80 plain steps apart. Once a try's
     first step is seen to pay a catch-up of 6 plain steps' worth, they come 200 apart."""
-    policy = AdaptivePolicy(steep(), max_width=4, tree=True, explore_every=4, explore_cost=0.05)
+    policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, explore_every=4, explore_cost=0.05)
     for _ in range(20):
-        policy.record_accept(0, 4)  # nothing accepted: the model picks plain decoding
+        policy.record_accept(chain(0), 4)  # nothing accepted: the model picks plain decoding
     policy.record_draft(0.0)
     picks = [policy.choose(1) for _ in range(170)]
     assert [i for i, w in enumerate(picks) if w > 0] == [79, 80, 160, 161]  # two-step tries
@@ -329,29 +372,56 @@ def test_exploration_stays_within_its_cost_budget() -> None:
     # and from then on each try is charged 2 x 2 + 6 plain steps' worth: 200 plain steps apart
     assert [i for i, w in enumerate(picks) if w > 0] == [71, 72, 272, 273, 473, 474]
     with pytest.raises(ValueError, match="explore_cost"):
-        AdaptivePolicy(flat(), max_width=4, tree=True, explore_cost=0.0)
+        AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_cost=0.0)
 
 
 def test_measured_rates_are_sums_not_averages_of_rates() -> None:
-    """Two passes: 1 token in 1 s, 9 tokens in 0.1 s -> 10 tokens / 1.1 s (decayed), not the mean of 1 and 90."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=True)
-    policy.record_pass(1, True, tokens=1, seconds=1.0)
-    policy.record_pass(1, True, tokens=9, seconds=0.1)
-    assert policy.realized(1, True) == pytest.approx((0.9 * 1 + 9) / (0.9 * 1.0 + 0.1))
-    assert policy.realized(1, False) is None
+    """Three passes: 1 token in 1 s, then 9 tokens in 0.1 s twice -> decayed token sum over decayed second sum,
+    not the mean of the per-pass rates (1, 90, 90)."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
+    policy.record_pass(1, 4, tokens=1, seconds=1.0)
+    policy.record_pass(1, 4, tokens=9, seconds=0.1)
+    policy.record_pass(1, 4, tokens=9, seconds=0.1)
+    assert policy.realized(1, 4) == pytest.approx((0.81 * 1 + 0.9 * 9 + 9) / (0.81 * 1.0 + 0.9 * 0.1 + 0.1))
+    assert policy.realized(1, 0) is None
 
 
 def test_host_cost_is_kept_per_batch_size() -> None:
     """Drafting is batched across requests: 1 s per request alone, 0.05 s per request in a batch of 8. Each
     batch size is charged its own measurement; one never measured speculates once to find out."""
-    policy = AdaptivePolicy(flat(), max_width=4, tree=True)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
     for _ in range(20):
-        policy.record_accept(1, 4)  # E[tokens | 4] = 2
+        policy.record_accept(chain(1), 4)  # E[tokens | 4] = 2
     policy.record_draft(1.0, batch=1)
     assert policy.choose(1) == 0  # 1 / 1 s beats 2 / (1.01 + 1) s
     assert policy.choose(8) == 4  # batch 8 not measured: speculate to learn (this step catches up)
     assert policy.choose(8) == 4  # and this one is measured
     policy.record_draft(0.05, batch=8)
     assert policy.draft_seconds(4, 8) == 0.05 and policy.draft_seconds(4, 1) == 1.0
-    assert policy.choose(8) == 4  # 16 tokens / (2.02 + 0.4) s beats 8 / 2 s
+    assert policy.choose(8) > 0  # 16 tokens / (2.02 + 0.4) s beats 8 / 2 s
     assert policy.choose(1) == 0
+
+
+def test_plain_steps_measure_ngram_acceptance_in_shadow(llm: LLM) -> None:
+    """A policy that always decodes plainly (drafting priced at 100 s per request) still learns the n-gram
+    drafter's acceptance: each plain step drafts one request's tree unverified, and the tokens that follow decide
+    it. The output is the plain decoding's."""
+    engine = tiny_engine(llm, max_num_seqs=2)
+    assert engine.shadow is not None  # n-gram drafting costs nothing
+    policy = AdaptivePolicy(steep(), max_width=engine.max_draft, stepwise=False, explore_every=4, explore_max=4096)
+    for b in (1, 2):
+        policy.record_draft(100.0, batch=b)
+    engine.policy = policy
+    prompt = [5, 6, 7, 8] * 6  # repetitive: the lookup finds continuations
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    engine.add_request("b", prompt[1:], params)
+    out: dict[str, list[int]] = {"a": [], "b": []}
+    while engine.has_unfinished:
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert set(policy.choices) == {0}  # never speculated
+    assert engine.shadow.decided >= 10
+    assert policy.expected_tokens(engine.max_draft) != 1.0 + engine.max_draft  # no longer the prior
+    want = llm.generate_plain([prompt, prompt[1:]], params)
+    assert [out["a"], out["b"]] == [r.token_ids for r in want]

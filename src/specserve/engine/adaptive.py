@@ -5,29 +5,45 @@ Inputs:
   batch b x q new tokens per row (q = 1 is plain decoding, q = w + 1 verifies w drafts);
 - host cost per request (drafting, masks, verification, commit: the step minus its target forward), measured
   online for plain steps and for speculating steps of each batch size (power-of-two bucket: drafting is batched
-  across requests, so its cost per request falls with the batch) and width (chains drafted step by step cost
-  less at a smaller width; a width not measured yet is charged what the full width costs; a batch size not
+  across requests, so its cost per request falls with the batch) and width (see below; a batch size not
   measured yet speculates once to find out);
-- acceptance, measured online: P(at least i drafts accepted) from the rounds that verified the full width.
+- acceptance, measured online: for each draft node index j (parents precede children, so a tree's first w
+  nodes are a tree), P(node j is on the accepted path | the round verified at least j nodes).
 For b running requests the policy scores every candidate width w (0 = plain decoding):
     rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * host_s(w))      E[tokens | 0] = 1
-and takes the best. Chains can be cut to any width (E = 1 + sum_{i<=w} P(accepted >= i)); trees are
-verified whole or not at all.
+    E[tokens | w] = 1 + sum_{j <= w} P(node j on the accepted path)
+and takes the best. Cutting a round to its first w nodes keeps exactly the accepted path's nodes of index <= w
+(the target's picks do not depend on the tree; indices grow along a path), so one set of measurements prices
+every cut, of chains and of trees alike. A width not measured yet is charged the full width's host time, or,
+where drafting runs one step per draft (`stepwise`: EAGLE-3 and draft-model chains), that time scaled by
+(w + 1) / (W + 1); its first step then measures it. Acceptance starts at one pseudo-round accepting every
+node (`prior_rounds`), so a fresh engine speculates until real rounds say otherwise. (Drafters that cost
+nothing, the n-gram lookup, also draft unverified trees during plain steps to keep measuring acceptance:
+`shadow.py`.)
+
+Measured rates (per batch bucket and width, once `MIN_PASSES` passes were seen: one pass can be a request's
+last, cut short) replace the model's for that width: the choice is the best of measured rates where they exist
+and modelled ones elsewhere, so the model's misses (padding, cache misses, contention) are corrected and a width
+the model favours is tried and measured before it is judged. While speculating, one step in `explore_every`
+goes in turn to plain decoding, the model's best width and the full width, keeping their rates (and the deeper
+nodes' acceptance) fresh.
 
 Exploration keeps the estimates fresh without paying much for it: while plain decoding wins at a batch size, a
-full-width step is tried after `explore_every` plain steps, but only where speculation could win at all
-(with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
+try is made after `explore_every` plain steps, at the width the model prefers (where the measured rates
+overruled it) or the full width (where the model prefers plain decoding, but only if speculation could win at
+all, with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
 (up to `explore_max` steps; a try where speculation wins resets it). At high concurrency a speculative step
 can cost several plain ones, so the wait is also at least long enough that the tries' extra cost stays
 under `explore_cost` of the time spent decoding plainly. A try's cost counts both of its steps and the
 drafters' catch-up (see below), measured at that batch size: at high concurrency the catch-up runs the drafter
 over every prompt and token committed since the last speculation, which can cost many plain steps.
 
-Measured rates are decayed sums of tokens over decayed sums of seconds (not averages of per-pass rates), so one
-lucky pass does not flip the decision. The first speculating step after plain ones is not measured: drafters
-catch up then on everything the plain steps committed (one forward over the whole stretch), a cost paid once
-per switch, not per step; a try therefore speculates for two steps and measures the second. The catch-up
-step's host time is kept apart (per batch size) and charged to exploration.
+Measured rates are decayed sums of tokens (verified, before stop conditions cut a request's last ones) over
+decayed sums of seconds (not averages of per-pass rates), so one lucky pass does not flip the decision. The
+first speculating step after plain ones is not measured: drafters catch up then on everything the plain steps
+committed (one forward over the whole stretch), a cost paid once per switch, not per step; a try therefore
+speculates for two steps and measures the second. The catch-up step's host time is kept apart (per batch size)
+and charged to exploration.
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ from __future__ import annotations
 import bisect
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -108,8 +124,9 @@ def measure_profile(
 
 
 class AdaptivePolicy:
-    def __init__(self, profile: CostProfile, max_width: int, tree: bool, explore_every: int = 16,
-                 decay: float = 0.98, explore_max: int = 512, explore_cost: float = 0.03) -> None:
+    def __init__(self, profile: CostProfile, max_width: int, stepwise: bool, explore_every: int = 16,
+                 decay: float = 0.98, explore_max: int = 512, explore_cost: float = 0.03,
+                 prior_rounds: float = 1.0) -> None:
         if max_width < 1:
             raise ValueError(f"adaptive speculation needs a draft width >= 1, got {max_width}")
         if not 1 <= explore_every <= explore_max:
@@ -117,15 +134,19 @@ class AdaptivePolicy:
                              f"{explore_max}")
         self.profile = profile
         self.max_width = max_width
-        self.tree = tree  # verify whole trees or nothing; chains may be cut to any width
+        self.stepwise = stepwise  # drafting runs a step per draft token: a cut width drafts less
         if explore_cost <= 0:
             raise ValueError(f"adaptive speculation: explore_cost must be > 0, got {explore_cost}")
         self.explore_every = explore_every
         self.explore_max = explore_max
         self.explore_cost = explore_cost
         self.decay = decay
-        self._at_least = [0.0] * max_width  # [i]: decayed count of full-width rounds accepting >= i+1 drafts
-        self._rounds = 0.0  # decayed count of full-width rounds
+        # [j]: decayed count of rounds whose accepted path holds node j+1 / that verified node j+1 (width > j);
+        # both start at `prior_rounds` rounds accepting everything: a fresh engine speculates until rounds say
+        # otherwise
+        self._on_path = [prior_rounds] * max_width
+        self._offered = [prior_rounds] * max_width
+        self._refresh_turn = 0  # which other width the next refresh step measures
         # width -> host seconds per request of a speculating step of that width (EMA): drafting, tree masks,
         # verification, KV compaction, commit — everything but the target forward
         self._draft_s: dict[tuple[int, int], float] = {}  # (batch bucket, width) -> seconds per request
@@ -133,21 +154,23 @@ class AdaptivePolicy:
         self._catch_up_s: dict[int, float] = {}  # batch bucket -> host seconds per request of a catch-up step
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
         self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
-        self._model_streak = 0  # steps since plain decoding was last tried where measurements favour speculation
+        self._model_streak = 0  # speculating steps since the last refresh step (`_refresh`)
         self._last_width = 0  # the previous choice
         self._catch_up = False  # the current step is the first speculating one after plain ones: not measured
         self._tries_left = 0  # further steps of the current try
-        # decode passes per batch bucket (power of two) and speculating or not: decayed (tokens, seconds) sums
-        self._realized: dict[tuple[int, bool], tuple[float, float]] = {}
+        # decode passes per batch bucket (power of two) and width: decayed (tokens, seconds) sums
+        # (bucket, width; 0 = plain) -> decayed sums of (tokens, seconds, passes)
+        self._realized: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._try_width = max_width  # the width the current try verifies
         self.choices: dict[int, int] = {}  # width -> steps that chose it
 
-    def record_accept(self, accepted: int, width: int) -> None:
-        """A request's round was offered `width` drafts and accepted `accepted` of them."""
-        if width < self.max_width:
-            return  # a cut round says nothing about the deeper positions
-        self._rounds = self._rounds * self.decay + 1.0
-        for i in range(self.max_width):
-            self._at_least[i] = self._at_least[i] * self.decay + (1.0 if i < accepted else 0.0)
+    def record_accept(self, path: Sequence[int], width: int) -> None:
+        """A request's round verified its first `width` draft nodes and accepted the nodes `path` (their tree
+        indices, root excluded: a chain's are 1..k)."""
+        on = set(path)
+        for j in range(min(width, self.max_width)):
+            self._offered[j] = self._offered[j] * self.decay + 1.0
+            self._on_path[j] = self._on_path[j] * self.decay + (1.0 if j + 1 in on else 0.0)
 
     def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1) -> None:
         """Host time per request of a step of `batch` requests that verified `width` drafts (default: the full
@@ -162,36 +185,41 @@ class AdaptivePolicy:
         self._draft_s[key] = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
 
     def draft_seconds(self, width: int, batch: int = 1) -> float:
-        """Host seconds per request of a speculating step of `width` at this batch size (the full width's where
-        `width` was not measured there; 0 where nothing was)."""
+        """Host seconds per request of a speculating step of `width` at this batch size; where `width` was not
+        measured there, the full width's (scaled by (width + 1) / (max_width + 1) for stepwise drafters); 0 where
+        nothing was."""
         b = _bucket(batch)
-        return self._draft_s.get((b, width), self._draft_s.get((b, self.max_width), 0.0))
+        if (b, width) in self._draft_s:
+            return self._draft_s[(b, width)]
+        full = self._draft_s.get((b, self.max_width), 0.0)
+        return full * (width + 1) / (self.max_width + 1) if self.stepwise else full
 
     def record_plain(self, seconds_per_request: float) -> None:
         """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
         self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
 
-    def record_pass(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decode pass of `batch` requests (drafting, forward, verification) produced `tokens` in `seconds`."""
-        if seconds <= 0 or (speculated and self._catch_up):
+    def record_pass(self, batch: int, width: int, tokens: int, seconds: float) -> None:
+        """A decode pass of `batch` requests verifying `width` drafts each (0 = plain decoding; drafting,
+        forward, verification) produced `tokens` in `seconds`."""
+        if seconds <= 0 or (width > 0 and self._catch_up):
             return
         bucket = _bucket(batch)
-        t, s = self._realized.get((bucket, speculated), (0.0, 0.0))
-        self._realized[(bucket, speculated)] = (0.9 * t + tokens, 0.9 * s + seconds)
-        plain, spec = self.realized(batch, False), self.realized(batch, True)
-        if speculated and plain is not None and spec is not None:  # back off tries where speculation keeps losing
+        t, s, n = self._realized.get((bucket, width), (0.0, 0.0, 0.0))
+        self._realized[(bucket, width)] = (0.9 * t + tokens, 0.9 * s + seconds, 0.9 * n + 1.0)
+        plain, spec = self.realized(batch, 0), self.realized(batch, width)
+        if width > 0 and plain is not None and spec is not None:  # back off tries where speculation keeps losing
             gap = self._explore_gap.get(bucket, self.explore_every)
             self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
-    def realized(self, batch: int, speculated: bool) -> float | None:
-        """Output tokens/s measured for decode passes at this batch size (its power-of-two bucket)."""
-        sums = self._realized.get((_bucket(batch), speculated))
-        return sums[0] / sums[1] if sums is not None else None
+    def realized(self, batch: int, width: int) -> float | None:
+        """Output tokens/s measured for decode passes of this width at this batch size (its power-of-two
+        bucket); None until `MIN_PASSES` were measured (one pass can be a request's last, cut short)."""
+        sums = self._realized.get((_bucket(batch), width))
+        return sums[0] / sums[1] if sums is not None and sums[2] >= _MIN_WEIGHT else None
 
     def expected_tokens(self, width: int) -> float:
-        if width == 0 or self._rounds == 0:
-            return 1.0
-        return 1.0 + sum(a / self._rounds for a in self._at_least[:width])
+        """1 + the expected number of accepted drafts when rounds verify their first `width` nodes."""
+        return 1.0 + sum(a / n for a, n in zip(self._on_path[:width], self._offered[:width], strict=True) if n > 0)
 
     def rate(self, batch: int, width: int) -> float:
         """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
@@ -200,21 +228,32 @@ class AdaptivePolicy:
         draft = self.draft_seconds(width, batch) * batch
         return batch * self.expected_tokens(width) / (self.profile.cost(batch, width + 1) + draft)
 
+    def score(self, batch: int, width: int) -> float:
+        """Tokens/s of `width` at this batch size: measured where `MIN_PASSES` passes were, else the model's."""
+        measured = self.realized(batch, width)
+        return measured if measured is not None else self.rate(batch, width)
+
     def choose(self, batch: int) -> int:
         max_width = self.max_width
         if batch == 0:
             return 0
         if self._tries_left > 0:
             self._tries_left -= 1
-            best = max_width
-        elif self._rounds == 0 or (_bucket(batch), max_width) not in self._draft_s:
-            best = max_width  # nothing measured yet (at this batch size): speculate to learn
+            best = self._try_width
+        elif (_bucket(batch), max_width) not in self._draft_s:
+            best = max_width  # drafting not measured at this batch size yet: speculate to learn
         else:
-            widths = [0, max_width] if self.tree else list(range(max_width + 1))
-            best = max(widths, key=lambda w: self.rate(batch, w))
-            best = self._check_realized(batch, best)
-            if best == 0 and self._explore(batch):
-                best, self._tries_left = max_width, 1
+            modelled = max(range(max_width + 1), key=lambda w: self.rate(batch, w))
+            best = max(range(max_width + 1), key=lambda w: self.score(batch, w))
+            if best > 0 and self.realized(batch, best) is not None and self.realized(batch, 0) is None:
+                best = 0  # measured speculation is compared with measured plain decoding: measure it
+            elif best == 0:
+                # a try re-measures the width the model prefers, or the full width where it prefers plain
+                if self._explore(batch, modelled or max_width):
+                    best = self._try_width = modelled or max_width
+                    self._tries_left = 1
+            else:
+                best = self._refresh(best, modelled)
         if best > 0:
             self._plain_streak[_bucket(batch)] = 0
         self._catch_up = best > 0 and self._last_width == 0
@@ -222,40 +261,34 @@ class AdaptivePolicy:
         self.choices[best] = self.choices.get(best, 0) + 1
         return best
 
-    def _explore(self, batch: int) -> bool:
-        """Plain decoding was picked: try the full width now? (See the module docstring.)"""
+    def _refresh(self, best: int, modelled: int) -> int:
+        """Speculating at `best`: one step in `explore_every` goes in turn to plain decoding, the model's width
+        and the full width instead, so that their measured rates (and the deeper nodes' acceptance) stay fresh."""
+        self._model_streak += 1
+        if self._model_streak < self.explore_every:
+            return best
+        self._model_streak = 0
+        others = [w for w in dict.fromkeys((0, modelled, self.max_width)) if w != best]
+        self._refresh_turn = (self._refresh_turn + 1) % len(others)
+        return others[self._refresh_turn]
+
+    def _explore(self, batch: int, w: int) -> bool:
+        """Plain decoding was picked: try width `w` now? (See the module docstring.)"""
         bucket = _bucket(batch)
         streak = self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1
         if streak >= self.explore_max:
             return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
-        w = self.max_width
-        spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one full-width step
+        spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one step of the try
         plain_s = batch / self.rate(batch, 0)  # one plain step
         catch_up = max(0.0, self._catch_up_s.get(bucket, 0.0) - self.draft_seconds(w, batch)) * batch
-        extra = 2 * (spec_s - plain_s) + catch_up  # a try: two full-width steps, the first one catching up
+        extra = 2 * (spec_s - plain_s) + catch_up  # a try: two steps, the first one catching up
         affordable = extra / (plain_s * self.explore_cost)  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
             return False
         return batch * (w + 1) / spec_s > self.rate(batch, 0)  # could win, with every draft accepted
 
-    def _check_realized(self, batch: int, best: int) -> int:
-        """The model's pick, unless the rates measured at this batch size say the other side is faster.
-
-        The model misses costs it does not see (padding, cache misses, contention); measured rates do not. When
-        speculation is picked, plain decoding is still tried one step in `explore_every` to keep its rate fresh.
-        """
-        if best == 0:
-            return 0
-        plain, spec = self.realized(batch, False), self.realized(batch, True)
-        if spec is None:
-            return best  # speculation not measured at this batch size yet: trust the model
-        if plain is None:
-            return 0  # measure plain decoding here once
-        self._model_streak += 1
-        if self._model_streak >= self.explore_every:  # keep plain's rate fresh
-            self._model_streak = 0
-            return 0
-        return 0 if plain > spec else best
+MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
+_MIN_WEIGHT = sum(0.9**i for i in range(MIN_PASSES)) - 1e-9
 
 
 def _bucket(batch: int) -> int:

@@ -23,6 +23,7 @@ from specserve.engine.drafting import draft_trees
 from specserve.engine.runner import ModelRunner, Row, RowOutput
 from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
 from specserve.engine.sequence import Sequence
+from specserve.engine.shadow import ShadowRounds
 from specserve.engine.stops import StopChecker
 from specserve.kv.block_pool import BlockPool
 from specserve.kv.host_tier import HostBlockStore, HostTier
@@ -136,6 +137,8 @@ class BatchEngine:
             self.pool, self.cache,
         )
         self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
+        # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)
+        self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._block_offsets = torch.arange(config.kv_block_size)
@@ -259,19 +262,29 @@ class BatchEngine:
             self.counters.spec_steps += 1
         results = self._forward(rows)
         outs: list[StepOutput] = []
+        verified = 0  # tokens the pass produced, before stop conditions cut a request's last ones
         for item, tree, res in zip(items, trees, results, strict=True):
-            outs += self._verify(item, tree, res, speculated=k > 0)
-        if self.policy is not None:  # host time per request of this decode pass (all of it but the forward)
-            elapsed = time.perf_counter() - t0
+            out, n = self._verify(item, tree, res, speculated=k > 0)
+            outs += out
+            verified += n
+        if self.policy is not None:
+            if self.shadow is not None:  # see engine/shadow.py; its cost counts in the pass's host time
+                live = [(r.seq.request_id, r.seq.token_ids, r.drafter)
+                        for r in (self._requests.get(i.seq.request_id) for i in items) if r is not None]
+                for path in self.shadow.after_step(live, set(self._requests), plain=k == 0, width=self.max_draft):
+                    self.policy.record_accept(path, self.max_draft)
+            elapsed = time.perf_counter() - t0  # host time per request of this decode pass: all but the forward
             host = (elapsed - (self.counters.forward_s - f0)) / len(items)
             if k > 0:
                 self.policy.record_draft(host, k, len(items))
             else:
                 self.policy.record_plain(host)
-            self.policy.record_pass(len(items), k > 0, sum(len(o.new_token_ids) for o in outs), elapsed)
+            self.policy.record_pass(len(items), k, verified, elapsed)
         return outs
 
-    def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput, speculated: bool) -> list[StepOutput]:
+    def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput,
+                speculated: bool) -> tuple[list[StepOutput], int]:
+        """Verify one request's tree, commit what it accepted; its outputs and the tokens verified."""
         req = self._requests[item.seq.request_id]
         assert res.logits is not None
         if req.params.greedy:
@@ -291,12 +304,12 @@ class BatchEngine:
             for i in range(len(v.accepted)):
                 c.position_accepted[i] += 1
             if self.policy is not None:
-                self.policy.record_accept(len(v.accepted), item.num_draft_tokens)
+                self.policy.record_accept(v.accepted, item.num_draft_tokens)
         out = self._commit(req, len(path), [*tokens[1:], v.bonus])
         if req.drafter is not None and not req.checker.done:
             hidden = res.captured[path] if res.captured is not None else None
             req.drafter.accept(tokens, hidden, v.bonus)
-        return out
+        return out, len(path)
 
     def _commit(self, req: _Request, num_computed: int, new_tokens: list[int]) -> list[StepOutput]:
         """Feed the stop checker, advance the sequence, finish it if it stopped."""

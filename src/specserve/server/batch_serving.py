@@ -274,5 +274,5 @@ def build_batch_engine(llm: LLM, config: EngineConfig, adaptive: bool = True,
     if adaptive and llm.drafter_builder is not None and engine.max_draft > 0:
         profile, path = engine_profile(engine, Path(profile_path) if profile_path else None)
         log.info("adaptive speculation: cost profile %s", path)
-        engine.policy = AdaptivePolicy(profile, engine.max_draft, tree=llm.spec.tree != "chain")
+        engine.policy = AdaptivePolicy(profile, engine.max_draft, stepwise=llm.drafter_builder.stepwise)
     return engine

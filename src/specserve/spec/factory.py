@@ -103,6 +103,19 @@ class DrafterBuilder:
         return ()
 
     @property
+    def stepwise(self) -> bool:
+        """Whether drafting runs one forward per draft token (EAGLE-3 and draft-model chains), so a round cut to
+        fewer drafts also drafts less; DFlash drafts a whole block at once and n-gram lookup is nearly free."""
+        s = self.spec
+        return s.algorithm == "STANDALONE" or (s.algorithm == "EAGLE3" and s.eagle_topk == 1)
+
+    @property
+    def free_drafting(self) -> bool:
+        """Whether drafting costs next to nothing (n-gram lookup), so plain steps can draft unverified trees
+        to keep measuring acceptance (`engine/shadow.py`)."""
+        return self.spec.algorithm == "NGRAM"
+
+    @property
     def max_tree_nodes(self) -> int:
         """Largest verify width (root included) a round can produce."""
         s = self.spec

@@ -159,14 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=320)
     p.add_argument("--kind", choices=("openings", "continuations"), default="openings")
     p.add_argument("--seed", type=int, default=0, help="continuations: which cuts")
-    p.add_argument("--exclude", type=Path, default=None,
-                   help="continuations: leave out the cuts (same file:line) of this earlier prompts file")
+    p.add_argument("--exclude", type=Path, nargs="+", default=[],
+                   help="continuations: leave out the cuts (same file:line) of these earlier prompts files")
     a = p.parse_args(argv)
     if a.kind == "openings":
         openings = build_openings(a.count)
     else:
-        exclude = frozenset(json.loads(line)["source"] for line in a.exclude.read_text().splitlines()) \
-            if a.exclude else frozenset()
+        exclude = frozenset(json.loads(line)["source"] for f in a.exclude for line in f.read_text().splitlines())
         openings = build_continuations(a.count, seed=a.seed, exclude=exclude)
     write_jsonl(openings, a.out)
     print(json.dumps({"out": str(a.out), "prompts": len(openings), "chars": sum(len(o.prompt) for o in openings)}))
