@@ -65,6 +65,9 @@ PROMPT_SETS = {  # how each bundled-corpus prompts file was cut (python -m specs
                           "--count 2000`)",
     "cont_prompts2.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
                            "--count 2500 --seed 1 --exclude runs/drafters/cont_prompts.jsonl`)",
+    "cont_prompts3.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
+                           "--count 2500 --seed 2 --exclude runs/drafters/cont_prompts.jsonl "
+                           "runs/drafters/cont_prompts2.jsonl`)",
 }
 
 
@@ -73,7 +76,8 @@ def data_line(data_dir: Path, meta: dict[str, Any]) -> str:
     prompts = Path(settings["prompts"]).name
     return (f"- Data `{data_dir}`: `specserve train prepare --prompts {settings['prompts']} --samples-per-prompt "
             f"{settings['samples_per_prompt']} --temperature {settings['temperature']} --max-new-tokens "
-            f"{settings['max_new_tokens']}`: the demo target regenerated {meta['sequences']} responses "
+            f"{settings['max_new_tokens']}" + (f" --seed {settings['seed']}" if settings.get("seed") else "")
+            + f"`: the demo target regenerated {meta['sequences']} responses "
             f"({meta['response_tokens']} response tokens, {meta['tokens']} with prompts) to "
             f"{meta['sequences'] // settings['samples_per_prompt']} {PROMPT_SETS.get(prompts, prompts)} of the "
             "standard library's training split; none come from the evaluation suites.")

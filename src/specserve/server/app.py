@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specserve.server import schemas as s
+from specserve.server import responses as r
 from specserve.server.completions import ServerState, create_chat_completion, create_completion
 from specserve.server.engine_api import ServingEngine
 from specserve.server.errors import ApiError
@@ -128,9 +128,9 @@ def create_app(engine: ServingEngine, cfg: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        card = s.ModelCard(id=cfg.model_name, created=state.started, root=engine.describe()["model_path"],
+        card = r.ModelCard(id=cfg.model_name, created=state.started, root=engine.describe()["model_path"],
                            max_model_len=engine.max_context)
-        return s.ModelList(data=[card]).model_dump()
+        return r.ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from specserve.server import responses as r
 from specserve.server import schemas as s
 from specserve.server.engine_api import (
     EngineClosed,
@@ -123,8 +124,8 @@ async def _collect(request: Request, group: RequestGroup, k: int) -> list[_Choic
     return choices
 
 
-def _usage(prompt_tokens: int, completion: list[int]) -> s.Usage:
-    return s.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
+def _usage(prompt_tokens: int, completion: list[int]) -> r.Usage:
+    return r.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(completion),
                    total_tokens=prompt_tokens + sum(completion))
 
 
@@ -158,9 +159,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         return StreamingResponse(stream_completion(group, rid, created, model, k, prompt_tokens, opts),
                                  media_type="text/event-stream")
     choices = await _collect(request, group, k)
-    resp = s.CompletionResponse(
+    resp = r.CompletionResponse(
         id=rid, created=created, model=model,
-        choices=[s.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
+        choices=[r.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
                  for i, c in enumerate(choices)],
         usage=_usage(prompt_tokens, [c.completion_tokens for c in choices]),
     )
@@ -178,12 +179,12 @@ async def stream_completion(group: RequestGroup, rid: str, created: int, model: 
                 continue
             if not out.text and not out.finished:
                 continue
-            choice = s.CompletionChoice(index=out.index, text=out.text,
+            choice = r.CompletionChoice(index=out.index, text=out.text,
                                         finish_reason=out.finish_reason if out.finished else None)
             usage = _usage(prompt_tokens, completion) if opts.continuous_usage_stats else None
-            yield _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
+            yield _sse(r.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
         if opts.include_usage:
-            yield _sse(s.CompletionResponse(id=rid, created=created, model=model, choices=[],
+            yield _sse(r.CompletionResponse(id=rid, created=created, model=model, choices=[],
                                             usage=_usage(prompt_tokens, completion)))
         yield "data: [DONE]\n\n"
     finally:
@@ -216,9 +217,9 @@ def _args(text: str) -> Any:
         return text
 
 
-def _tool_calls_out(calls: tuple[ToolCall, ...], first_index: int | None) -> list[s.ToolCallOut]:
-    return [s.ToolCallOut(index=None if first_index is None else first_index + i, id=c.id,
-                          function=s.FunctionCallOut(name=c.name, arguments=c.arguments))
+def _tool_calls_out(calls: tuple[ToolCall, ...], first_index: int | None) -> list[r.ToolCallOut]:
+    return [r.ToolCallOut(index=None if first_index is None else first_index + i, id=c.id,
+                          function=r.FunctionCallOut(name=c.name, arguments=c.arguments))
             for i, c in enumerate(calls)]
 
 
@@ -248,18 +249,18 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         return StreamingResponse(stream_chat(group, rid, created, model, req.n, len(ids), opts, parser_cls),
                                  media_type="text/event-stream")
     choices = await _collect(request, group, req.n)
-    out: list[s.ChatChoice] = []
+    out: list[r.ChatChoice] = []
     for i, c in enumerate(choices):
         text = "".join(c.text)
         calls: tuple[ToolCall, ...] = ()
         if parser_cls is not None:
             parsed = parser_cls().parse(text)
             text, calls = parsed.content, parsed.tool_calls
-        msg = s.AssistantMessage(content=text if text or not calls else None,
+        msg = r.AssistantMessage(content=text if text or not calls else None,
                                  tool_calls=_tool_calls_out(calls, None) or None)
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        out.append(s.ChatChoice(index=i, message=msg, finish_reason=reason))
-    resp = s.ChatCompletionResponse(id=rid, created=created, model=model, choices=out,
+        out.append(r.ChatChoice(index=i, message=msg, finish_reason=reason))
+    resp = r.ChatCompletionResponse(id=rid, created=created, model=model, choices=out,
                                     usage=_usage(len(ids), [c.completion_tokens for c in choices]))
     return JSONResponse(resp.model_dump(exclude_none=True))
 
@@ -270,14 +271,14 @@ async def stream_chat(group: RequestGroup, rid: str, created: int, model: str, k
     num_calls = [0] * k
     completion = [0] * k
 
-    def chunk(index: int, delta: s.ChatDelta, reason: str | None = None) -> str:
+    def chunk(index: int, delta: r.ChatDelta, reason: str | None = None) -> str:
         usage = _usage(prompt_tokens, completion) if opts.continuous_usage_stats else None
-        choice = s.ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
-        return _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage))
+        choice = r.ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
+        return _sse(r.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
     try:
         for i in range(k):
-            yield chunk(i, s.ChatDelta(role="assistant", content=""))
+            yield chunk(i, r.ChatDelta(role="assistant", content=""))
         async for out in group:
             i = out.index
             completion[i] = out.completion_tokens
@@ -292,14 +293,14 @@ async def stream_chat(group: RequestGroup, rid: str, created: int, model: str, k
                 b = parser.finish() if out.finished else Parsed("")
                 content, calls = a.content + b.content, a.tool_calls + b.tool_calls
             if content or calls:
-                yield chunk(i, s.ChatDelta(content=content or None,
+                yield chunk(i, r.ChatDelta(content=content or None,
                                            tool_calls=_tool_calls_out(calls, num_calls[i]) or None))
                 num_calls[i] += len(calls)
             if out.finished:
                 reason = "tool_calls" if num_calls[i] and out.finish_reason == "stop" else out.finish_reason
-                yield chunk(i, s.ChatDelta(), reason)
+                yield chunk(i, r.ChatDelta(), reason)
         if opts.include_usage:
-            yield _sse(s.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+            yield _sse(r.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                              usage=_usage(prompt_tokens, completion)))
         yield "data: [DONE]\n\n"
     finally:

@@ -7,7 +7,7 @@ from typing import TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from specserve.server.schemas import ErrorDetail, ErrorResponse
+from specserve.server.responses import ErrorDetail, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 503: "overloaded_error"}
