@@ -29,7 +29,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.loader import ASSETS
 from specserve.spec.factory import drafter_block_size
-from specserve.train.export import ExportConfig, export
+from specserve.train.export import ExportConfig, export, run_tokens_per_s
 from specserve.types import SamplingParams
 
 VIEWS = (
@@ -105,7 +105,7 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[t
         lines += [
             f"- Stage {i}: `{cmd}` on 2 CPU cores ({summary['precision']}; other jobs shared the cores, so "
             "tokens/s is a floor): "
-            f"{summary['steps']} steps × 8 sequences, {summary['tokens_seen']} tokens at {summary['tokens_per_s']} "
+            f"{summary['steps']} steps × 8 sequences, {summary['tokens_seen']} tokens at {run_tokens_per_s(summary)} "
             f"tokens/s, final loss {summary['final_loss']}; time: target forward {t['target']:.0%}, drafter "
             f"forward {t['drafter_fwd']:.0%}, drafter backward {t['drafter_bwd']:.0%}.",
         ]

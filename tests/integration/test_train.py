@@ -200,6 +200,10 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(data_dir: Path, tiny_d
     assert [r["step"] for r in logs[1]] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
     assert logs[0][0]["loss"] > logs[0][-1]["loss"]
+    # the resumed run's summary counts its tokens and step time from step 0, not from the resume
+    summary = json.loads((tmp_path / "killed" / "train_summary.json").read_text())
+    assert summary["tokens_seen"] == logs[1][-1]["tokens_seen"] and summary["time_s"]["step_s"] >= logs[1][3]["step_s"]
+    assert summary["tokens_per_s"] == round(summary["tokens_seen"] / summary["time_s"]["step_s"], 1)
 
 
 DDP_SCRIPT = """

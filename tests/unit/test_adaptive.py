@@ -12,8 +12,9 @@ import pytest
 
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import MIN_PASSES, AdaptivePolicy, CostProfile
+from specserve.engine.adaptive import MIN_PASSES, AdaptivePolicy
 from specserve.engine.batch import BatchEngine, EngineConfig
+from specserve.engine.cost_profile import CostProfile
 from specserve.engine.llm import LLM
 from specserve.engine.profile import engine_profile, profile_grid, profile_key
 from specserve.types import SamplingParams
@@ -282,19 +283,22 @@ def test_measured_rates_overrule_the_model() -> None:
     assert picks.count(4) >= 6, picks  # speculation has become faster at batch 2 (plain re-measured now and then)
 
 
-def test_measured_rates_are_kept_per_width() -> None:
-    """Width 1 measured slower than plain decoding does not stop width 4, which the model prefers, being tried
-    and measured."""
-    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
-    for _ in range(20):
-        policy.record_accept(chain(4), 4)
-    policy.record_draft(0.0, batch=2)
-    for _ in range(MIN_PASSES):
-        policy.record_pass(2, 0, tokens=3, seconds=1.0)
-        policy.record_pass(2, 1, tokens=1, seconds=1.0)
-    assert policy.realized(2, 1) == pytest.approx(1.0) and policy.realized(2, 4) is None
-    assert policy.rate(2, 4) > 3.0  # the model: 2 x 5 tokens / T(2, 5) ~ 1.14 s
-    assert policy.choose(2) == 4
+def test_measured_rates_are_kept_per_width_and_correct_the_model_elsewhere() -> None:
+    """Width 1 is measured at a fraction of its modelled rate; the widths not measured are scaled by that
+    fraction: at half, width 4 (modelled at 2 x 5 / 1.14 s = 8.8 tok/s) still beats plain's measured 3 tok/s and
+    is tried; at a fifth it does not, and plain decoding is kept."""
+    for fraction, want in ((0.5, 4), (0.2, 0)):
+        policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
+        for _ in range(20):
+            policy.record_accept(chain(4), 4)
+        policy.record_draft(0.0, batch=2)
+        modelled = policy.rate(2, 1)
+        for _ in range(MIN_PASSES):
+            policy.record_pass(2, 0, tokens=3, seconds=1.0)
+            policy.record_pass(2, 1, tokens=fraction * modelled, seconds=1.0)
+        assert policy.realized(2, 1) == pytest.approx(fraction * modelled) and policy.realized(2, 4) is None
+        assert policy.scores(2)[4] == pytest.approx(fraction * policy.rate(2, 4))
+        assert policy.choose(2) == want, fraction
 
 
 def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
@@ -425,3 +429,19 @@ def test_plain_steps_measure_ngram_acceptance_in_shadow(llm: LLM) -> None:
     assert policy.expected_tokens(engine.max_draft) != 1.0 + engine.max_draft  # no longer the prior
     want = llm.generate_plain([prompt, prompt[1:]], params)
     assert [out["a"], out["b"]] == [r.token_ids for r in want]
+
+
+@pytest.mark.parametrize("catch_up_s, back", [(50.0, False), (1.0, True)])
+def test_leaving_plain_decoding_must_repay_the_catch_up(catch_up_s: float, back: bool) -> None:
+    """Speculation (every draft accepted: 5 tokens per 1.01 s) beats plain decoding (1 token per s). After a
+    plain step (a refresh), switching back pays the catch-up measured when speculation started: 2 steps of
+    speculation (explore_every) save 10 - 2 = 8 s, so a 50 s catch-up keeps plain decoding, a 1 s one does not."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=2, explore_max=1024, prior_rounds=0)
+    for _ in range(20):
+        policy.record_accept(chain(4), 4)
+    policy.record_draft(0.0)
+    assert policy.choose(1) == 4  # the first step catches up: its host time is the catch-up's
+    policy.record_draft(catch_up_s)
+    picks = [policy.choose(1) for _ in range(2)]
+    assert picks[0] == 0  # every second speculating step is a refresh, here plain decoding
+    assert (picks[1] == 4) is back, picks

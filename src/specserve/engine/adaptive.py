@@ -1,7 +1,7 @@
 """Adaptive speculation: per step, verify the number of draft tokens that maximises expected tokens/s.
 
 Inputs:
-- a cost profile, measured once (`measure_profile`) and saved: seconds of one target forward for
+- a cost profile (`cost_profile.py`), measured once and saved: seconds of one target forward for
   batch b x q new tokens per row (q = 1 is plain decoding, q = w + 1 verifies w drafts);
 - host cost per request (drafting, masks, verification, commit: the step minus its target forward), measured
   online for plain steps and for speculating steps of each batch size (power-of-two bucket: drafting is batched
@@ -23,10 +23,14 @@ nothing, the n-gram lookup, also draft unverified trees during plain steps to ke
 
 Measured rates (per batch bucket and width, once `MIN_PASSES` passes were seen: one pass can be a request's
 last, cut short) replace the model's for that width: the choice is the best of measured rates where they exist
-and modelled ones elsewhere, so the model's misses (padding, cache misses, contention) are corrected and a width
-the model favours is tried and measured before it is judged. While speculating, one step in `explore_every`
+and modelled ones elsewhere, those scaled by the median ratio of measured to modelled rate of the speculating
+widths measured at that batch size, so the model's misses (padding, cache misses, contention) are corrected and
+a width is tried only where the corrected model still favours it. While speculating, one step in `explore_every`
 goes in turn to plain decoding, the model's best width and the full width, keeping their rates (and the deeper
-nodes' acceptance) fresh.
+nodes' acceptance) fresh. Leaving plain decoding for speculation first pays the drafters' catch-up (below), so
+outside tries it happens only where `explore_every` speculating steps save more than that catch-up costs at
+this batch size (as the batch shrinks at the end of a burst of requests, one long catch-up for a few steps of
+speculation loses).
 
 Exploration keeps the estimates fresh without paying much for it: while plain decoding wins at a batch size, a
 try is made after `explore_every` plain steps, at the width the model prefers (where the measured rates
@@ -48,79 +52,9 @@ and charged to exploration.
 
 from __future__ import annotations
 
-import bisect
-import json
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
 
-
-@dataclass(frozen=True)
-class CostProfile:
-    key: str  # what it was measured for (model, device, dtype, width); a mismatch means re-measure
-    batch_sizes: tuple[int, ...]
-    widths: tuple[int, ...]  # q = new tokens per row
-    seconds: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][len(widths)]
-
-    def __post_init__(self) -> None:
-        if len(self.seconds) != len(self.batch_sizes) or any(len(r) != len(self.widths) for r in self.seconds):
-            raise ValueError("adaptive profile: seconds must be [batch_sizes][widths]")
-        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or list(self.widths) != sorted(set(self.widths)):
-            raise ValueError("adaptive profile: batch_sizes and widths must be increasing")
-
-    def cost(self, batch: int, q: int) -> float:
-        """Seconds of one forward of `batch` rows x `q` tokens: linear between grid points and beyond them."""
-        row = [_interp(self.widths, list(r), q) for r in self.seconds]
-        return _interp(self.batch_sizes, row, batch)
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> CostProfile:
-        d = json.loads(path.read_text())
-        return cls(d["key"], tuple(d["batch_sizes"]), tuple(d["widths"]),
-                   tuple(tuple(float(x) for x in r) for r in d["seconds"]))
-
-
-def _interp(xs: tuple[int, ...], ys: list[float], x: int) -> float:
-    if x <= xs[0]:
-        return ys[0] * x / xs[0] if xs[0] > 1 else ys[0]
-    if x >= xs[-1]:  # beyond the grid: the last segment's slope, never below the last measurement
-        if len(xs) == 1:
-            return ys[-1] * x / xs[-1]
-        return max(ys[-1], ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1]))
-    i = bisect.bisect_left(xs, x)
-    x0, x1 = xs[i - 1], xs[i]
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
-
-
-def measure_profile(
-    forward: Callable[[int, int], None], key: str, batch_sizes: list[int], widths: list[int], repeats: int = 3,
-    progress: Callable[[int, int], None] | None = None,
-) -> CostProfile:
-    """forward(batch, q) runs one target forward of that shape; the fastest of `repeats` after a warm-up."""
-    grid: list[tuple[float, ...]] = []
-    total, done = len(batch_sizes) * len(widths), 0
-    for b in batch_sizes:
-        row: list[float] = []
-        for q in widths:
-            forward(b, q)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                forward(b, q)
-                times.append(time.perf_counter() - t0)
-            row.append(min(times))  # noise (other processes, page faults) only ever adds time
-            done += 1
-            if progress is not None:
-                progress(done, total)
-        grid.append(tuple(row))
-    return CostProfile(key, tuple(batch_sizes), tuple(widths), tuple(grid))
+from specserve.engine.cost_profile import CostProfile
 
 
 class AdaptivePolicy:
@@ -198,7 +132,7 @@ class AdaptivePolicy:
         """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
         self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
 
-    def record_pass(self, batch: int, width: int, tokens: int, seconds: float) -> None:
+    def record_pass(self, batch: int, width: int, tokens: float, seconds: float) -> None:
         """A decode pass of `batch` requests verifying `width` drafts each (0 = plain decoding; drafting,
         forward, verification) produced `tokens` in `seconds`."""
         if seconds <= 0 or (width > 0 and self._catch_up):
@@ -223,15 +157,28 @@ class AdaptivePolicy:
 
     def rate(self, batch: int, width: int) -> float:
         """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
-        if width == 0:
-            return batch / (self.profile.cost(batch, 1) + self._plain_s * batch)
-        draft = self.draft_seconds(width, batch) * batch
-        return batch * self.expected_tokens(width) / (self.profile.cost(batch, width + 1) + draft)
+        return self.rates(batch)[width]
 
-    def score(self, batch: int, width: int) -> float:
-        """Tokens/s of `width` at this batch size: measured where `MIN_PASSES` passes were, else the model's."""
-        measured = self.realized(batch, width)
-        return measured if measured is not None else self.rate(batch, width)
+    def rates(self, batch: int) -> list[float]:
+        """`rate` of every width 0..max_width at this batch size (the model's; one pass over the nodes)."""
+        out = [batch / (self.profile.cost(batch, 1) + self._plain_s * batch)]
+        expected = 1.0
+        for w in range(1, self.max_width + 1):
+            n = self._offered[w - 1]
+            expected += self._on_path[w - 1] / n if n > 0 else 0.0
+            draft = self.draft_seconds(w, batch) * batch
+            out.append(batch * expected / (self.profile.cost(batch, w + 1) + draft))
+        return out
+
+    def scores(self, batch: int) -> list[float]:
+        """Tokens/s of every width at this batch size: measured where `MIN_PASSES` passes were; elsewhere the
+        model's, for speculating widths scaled by how far the measured ones fell short of (or beat) the model
+        (the median ratio), so one optimistic model does not send the engine through every width in turn."""
+        model = self.rates(batch)
+        measured = [self.realized(batch, w) for w in range(self.max_width + 1)]
+        ratios = sorted(m / model[w] for w, m in enumerate(measured) if w > 0 and m is not None and model[w] > 0)
+        calib = ratios[len(ratios) // 2] if ratios else 1.0
+        return [m if m is not None else model[w] * (calib if w > 0 else 1.0) for w, m in enumerate(measured)]
 
     def choose(self, batch: int) -> int:
         max_width = self.max_width
@@ -243,11 +190,14 @@ class AdaptivePolicy:
         elif (_bucket(batch), max_width) not in self._draft_s:
             best = max_width  # drafting not measured at this batch size yet: speculate to learn
         else:
-            modelled = max(range(max_width + 1), key=lambda w: self.rate(batch, w))
-            best = max(range(max_width + 1), key=lambda w: self.score(batch, w))
+            model, scores = self.rates(batch), self.scores(batch)
+            modelled = max(range(max_width + 1), key=model.__getitem__)
+            best = max(range(max_width + 1), key=scores.__getitem__)
             if best > 0 and self.realized(batch, best) is not None and self.realized(batch, 0) is None:
                 best = 0  # measured speculation is compared with measured plain decoding: measure it
-            elif best == 0:
+            elif best > 0 and self._last_width == 0 and not self._repays_catch_up(batch, best, scores):
+                best = 0
+            if best == 0:
                 # a try re-measures the width the model prefers, or the full width where it prefers plain
                 if self._explore(batch, modelled or max_width):
                     best = self._try_width = modelled or max_width
@@ -260,6 +210,13 @@ class AdaptivePolicy:
         self._last_width = best
         self.choices[best] = self.choices.get(best, 0) + 1
         return best
+
+    def _repays_catch_up(self, batch: int, width: int, scores: list[float]) -> bool:
+        """Switching from plain decoding to `width` first pays the drafters' catch-up (measured at this batch
+        size): worth it only if `explore_every` steps at `width` save more time than that."""
+        catch_up = max(0.0, self._catch_up_s.get(_bucket(batch), 0.0) - self.draft_seconds(width, batch)) * batch
+        tokens = self.explore_every * batch * self.expected_tokens(width)
+        return tokens / scores[0] - tokens / scores[width] > catch_up
 
     def _refresh(self, best: int, modelled: int) -> int:
         """Speculating at `best`: one step in `explore_every` goes in turn to plain decoding, the model's width

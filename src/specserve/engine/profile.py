@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.engine.adaptive import CostProfile, measure_profile
 from specserve.engine.batch import BatchEngine
+from specserve.engine.cost_profile import CostProfile, measure_profile
 from specserve.engine.runner import Row
 
 log = logging.getLogger("specserve.engine")

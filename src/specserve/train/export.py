@@ -98,7 +98,7 @@ def _model_card(kind: str, fmt: str, out: Path, target: str, summary: dict[str, 
         "## Training", "",
         f"- data: {data.get('used_sequences')} sequences, {data.get('tokens')} tokens; {described}",
         f"- steps: {summary.get('steps')}, tokens seen: {summary.get('tokens_seen')}, "
-        f"throughput {summary.get('tokens_per_s')} tokens/s on {summary.get('device')} x{summary.get('processes')} "
+        f"throughput {run_tokens_per_s(summary)} tokens/s on {summary.get('device')} x{summary.get('processes')} "
         f"({summary.get('precision')})",
         f"- time: target forward {share.get('target', 0):.0%}, drafter forward {share.get('drafter_fwd', 0):.0%}, "
         f"drafter backward + optimizer {share.get('drafter_bwd', 0):.0%}",
@@ -145,3 +145,12 @@ def export(cfg: ExportConfig) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     return {"out": str(cfg.out), "format": cfg.format, "kind": kind, "dtype": cfg.dtype, "params": params,
             "round_trip": "identical", "source": str(src)}
+
+
+def run_tokens_per_s(summary: dict[str, Any]) -> float | None:
+    """Tokens per second of step time over the whole run (a resumed run's parts together) from a training
+    summary (its own `tokens_per_s` where it holds no step time)."""
+    step_s = summary.get("time_s", {}).get("step_s")
+    if step_s:
+        return round(summary["tokens_seen"] / step_s, 1)
+    return summary.get("tokens_per_s")

@@ -290,10 +290,12 @@ class Trainer:
             dist.barrier()
 
     def _summary(self, final_loss: float, rate: float) -> dict[str, Any]:
-        total = max(self.times["step_s"], 1e-9)
+        total = max(self.times["step_s"], 1e-9)  # time inside training steps, kept across resumes
         summary = {
             "kind": self.objective.kind, "steps": self.step, "tokens_seen": self.tokens_seen,
-            "tokens_per_s": round(rate, 1), "final_loss": round(final_loss, 5), "processes": self.ctx.world,
+            # the whole run's (a resumed run's first part included), and this process's since it started
+            "tokens_per_s": round(self.tokens_seen / total, 1), "tokens_per_s_this_process": round(rate, 1),
+            "final_loss": round(final_loss, 5), "processes": self.ctx.world,
             "precision": "bf16" if self.bf16 else "fp32", "device": str(self.device),
             "time_s": {k: round(v, 2) for k, v in self.times.items()},
             "time_share": {k.removesuffix("_s"): round(self.times[k] / total, 4) for k in TIMERS[:3]},
