@@ -81,9 +81,9 @@ class AdaptivePolicy:
         self._on_path = [prior_rounds] * max_width
         self._offered = [prior_rounds] * max_width
         self._refresh_turn = 0  # which other width the next refresh step measures
-        # width -> host seconds per request of a speculating step of that width (EMA): drafting, tree masks,
+        # (batch bucket, width) -> host seconds per request of a speculating step (EMA): drafting, tree masks,
         # verification, KV compaction, commit — everything but the target forward
-        self._draft_s: dict[tuple[int, int], float] = {}  # (batch bucket, width) -> seconds per request
+        self._draft_s: dict[tuple[int, int], float] = {}
         self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
         self._catch_up_s: dict[int, float] = {}  # batch bucket -> host seconds per request of a catch-up step
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
@@ -92,8 +92,7 @@ class AdaptivePolicy:
         self._last_width = 0  # the previous choice
         self._catch_up = False  # the current step is the first speculating one after plain ones: not measured
         self._tries_left = 0  # further steps of the current try
-        # decode passes per batch bucket (power of two) and width: decayed (tokens, seconds) sums
-        # (bucket, width; 0 = plain) -> decayed sums of (tokens, seconds, passes)
+        # decode passes per (batch bucket (power of two), width; 0 = plain): decayed sums of (tokens, seconds, passes)
         self._realized: dict[tuple[int, int], tuple[float, float, float]] = {}
         self._try_width = max_width  # the width the current try verifies
         self.choices: dict[int, int] = {}  # width -> steps that chose it
