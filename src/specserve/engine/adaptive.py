@@ -152,7 +152,14 @@ class AdaptivePolicy:
 
     def expected_tokens(self, width: int) -> float:
         """1 + the expected number of accepted drafts when rounds verify their first `width` nodes."""
-        return 1.0 + sum(a / n for a, n in zip(self._on_path[:width], self._offered[:width], strict=True) if n > 0)
+        return self._expected_all()[width]
+
+    def _expected_all(self) -> list[float]:
+        """`expected_tokens` of every width 0..max_width: running sums of P(node j on the accepted path)."""
+        out = [1.0]
+        for a, n in zip(self._on_path, self._offered, strict=True):
+            out.append(out[-1] + (a / n if n > 0 else 0.0))
+        return out
 
     def rate(self, batch: int, width: int) -> float:
         """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
@@ -160,20 +167,19 @@ class AdaptivePolicy:
 
     def rates(self, batch: int) -> list[float]:
         """`rate` of every width 0..max_width at this batch size (the model's; one pass over the nodes)."""
+        expected = self._expected_all()
         out = [batch / (self.profile.cost(batch, 1) + self._plain_s * batch)]
-        expected = 1.0
         for w in range(1, self.max_width + 1):
-            n = self._offered[w - 1]
-            expected += self._on_path[w - 1] / n if n > 0 else 0.0
             draft = self.draft_seconds(w, batch) * batch
-            out.append(batch * expected / (self.profile.cost(batch, w + 1) + draft))
+            out.append(batch * expected[w] / (self.profile.cost(batch, w + 1) + draft))
         return out
 
-    def scores(self, batch: int) -> list[float]:
+    def scores(self, batch: int, model: list[float] | None = None) -> list[float]:
         """Tokens/s of every width at this batch size: measured where `MIN_PASSES` passes were; elsewhere the
         model's, for speculating widths scaled by how far the measured ones fell short of (or beat) the model
-        (the median ratio), so one optimistic model does not send the engine through every width in turn."""
-        model = self.rates(batch)
+        (the median ratio), so one optimistic model does not send the engine through every width in turn.
+        `model`: `rates(batch)` where the caller has it already."""
+        model = self.rates(batch) if model is None else model
         measured = [self.realized(batch, w) for w in range(self.max_width + 1)]
         ratios = sorted(m / model[w] for w, m in enumerate(measured) if w > 0 and m is not None and model[w] > 0)
         calib = ratios[len(ratios) // 2] if ratios else 1.0
@@ -189,7 +195,8 @@ class AdaptivePolicy:
         elif (_bucket(batch), max_width) not in self._draft_s:
             best = max_width  # drafting not measured at this batch size yet: speculate to learn
         else:
-            model, scores = self.rates(batch), self.scores(batch)
+            model = self.rates(batch)
+            scores = self.scores(batch, model)
             modelled = max(range(max_width + 1), key=model.__getitem__)
             best = max(range(max_width + 1), key=scores.__getitem__)
             if best > 0 and self.realized(batch, best) is not None and self.realized(batch, 0) is None:
