@@ -27,6 +27,7 @@ import pytest
 
 from server_util import ServerProcess, running_server
 from specserve.bench.server_probe import parse_prometheus
+from specserve.engine.pass_log import read_pass_log
 
 CLIENTS = 64
 REQUESTS = 500
@@ -262,10 +263,16 @@ def test_mixed_load_leaves_no_5xx_no_leaked_blocks_and_flat_memory(loaded_server
 def test_ngram_adaptive_under_load(tiny_dir: Path, tmp_path: Path) -> None:
     args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny", "--max-num-seqs", "16",
             "--max-queue", "512", "--num-kv-blocks", "256", "--speculative-algorithm", "NGRAM",
-            "--speculative-adaptive-profile", str(tmp_path / "profile.json")]  # adaptive is the default
+            "--speculative-adaptive-profile", str(tmp_path / "profile.json"),  # adaptive is the default
+            "--speculative-adaptive-trace", str(tmp_path / "trace.jsonl")]
     with one_thread_server(args, tmp_path / "log") as srv:
         assert httpx.get(srv.url + "/server_info").json()["speculative_adaptive"] is True
         # (a loop the n-gram drafter predicts can be accepted a dozen tokens a step: a closed stream may finish)
         _, m = run_round(srv, make_plans(200, seed=2), 32, every_close_aborts=False)
     widths = {k: v for k, v in m.items() if k.startswith("specserve_spec_adaptive_width_steps_total")}
     assert sum(widths.values()) > 0 and m["specserve_spec_accept_length_count"] > 0, widths
+    # the trace holds a line per decode pass (steps of prefills alone have none): plain passes give a token each
+    passes = read_pass_log(tmp_path / "trace.jsonl")
+    assert 0 < sum(p["width"] > 0 for p in passes) <= m["specserve_spec_steps_total"]
+    assert all(p["tokens"] == p["batch"] for p in passes if p["width"] == 0)
+    assert all(0 < p["forward_s"] <= p["seconds"] for p in passes)

@@ -12,7 +12,7 @@ import pytest
 
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import MIN_PASSES, AdaptivePolicy
+from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, AdaptivePolicy
 from specserve.engine.batch import BatchEngine, EngineConfig
 from specserve.engine.cost_profile import CostProfile
 from specserve.engine.llm import LLM
@@ -386,7 +386,8 @@ def test_measured_rates_are_sums_not_averages_of_rates() -> None:
     policy.record_pass(1, 4, tokens=1, seconds=1.0)
     policy.record_pass(1, 4, tokens=9, seconds=0.1)
     policy.record_pass(1, 4, tokens=9, seconds=0.1)
-    assert policy.realized(1, 4) == pytest.approx((0.81 * 1 + 0.9 * 9 + 9) / (0.81 * 1.0 + 0.9 * 0.1 + 0.1))
+    d = PASS_DECAY
+    assert policy.realized(1, 4) == pytest.approx((d * d * 1 + d * 9 + 9) / (d * d * 1.0 + d * 0.1 + 0.1))
     assert policy.realized(1, 0) is None
 
 
@@ -445,3 +446,68 @@ def test_leaving_plain_decoding_must_repay_the_catch_up(catch_up_s: float, back:
     picks = [policy.choose(1) for _ in range(2)]
     assert picks[0] == 0  # every second speculating step is a refresh, here plain decoding
     assert (picks[1] == 4) is back, picks
+
+
+def test_speculation_is_compared_with_plain_decoding_measured_as_recently() -> None:
+    """Plain decoding was measured in a slow phase of the machine (300 tok/s), then speculation at 700; now plain
+    decoding runs at 800. Measured rates decay with the engine's passes, so the plain passes of the refresh steps
+    (one in `explore_every` speculating steps) outweigh the slow ones within a few refreshes and plain decoding
+    takes over (with rates decaying only on their own updates it took 13 refreshes, 104 steps)."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=8)
+    for _ in range(20):
+        policy.record_accept(chain(4), 4)
+    policy.record_draft(0.0, batch=2)
+    for _ in range(10):
+        policy.record_pass(2, 0, tokens=300, seconds=1.0)
+    for _ in range(10):
+        policy.record_pass(2, 4, tokens=700, seconds=1.0)
+    picks = []
+    for _ in range(200):
+        w = policy.choose(2)
+        picks.append(w)
+        policy.record_pass(2, w, tokens=700 if w else 800, seconds=1.0)
+    switch = next(i for i in range(len(picks)) if picks[i: i + 6] == [0] * 6)
+    assert picks[:7] == [4] * 7 and switch < 40, picks  # speculation until a few refreshes...
+    assert picks[40:].count(0) > 0.9 * 160, picks  # ...then plain decoding, speculation tried now and then
+
+
+def test_stale_rates_are_not_compared() -> None:
+    """A width not measured for 4 x explore_every passes is stale: the model (scaled by the last measured
+    ratio) prices it again; its next pass outweighs the stale ones."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=2)
+    for _ in range(MIN_PASSES):
+        policy.record_pass(2, 4, tokens=10, seconds=1.0)
+    assert policy.realized(2, 4) == pytest.approx(10.0)
+    for _ in range(8):
+        policy.record_pass(2, 0, tokens=5, seconds=1.0)
+    assert policy.realized(2, 4) == pytest.approx(10.0)  # 8 passes old: still compared
+    policy.record_pass(2, 0, tokens=5, seconds=1.0)
+    assert policy.realized(2, 4) is None and policy.realized(2, 0) == pytest.approx(5.0)
+    policy.record_pass(2, 4, tokens=40, seconds=1.0)
+    d9 = PASS_DECAY**10
+    assert policy.realized(2, 4) == pytest.approx((d9 * 10 * sum(PASS_DECAY**i for i in range(3)) + 40)
+                                                  / (d9 * sum(PASS_DECAY**i for i in range(3)) + 1))
+
+
+def test_steps_where_a_drafter_catches_up_are_not_measured() -> None:
+    """A request joining a speculating batch: its drafter absorbs its prompt on its first propose (EAGLE-3,
+    draft models). The engine flags such steps; their host time and rate are a one-off, not the width's."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
+    policy.record_draft(0.01, 4, batch=2)
+    for _ in range(MIN_PASSES):
+        policy.record_pass(2, 4, tokens=10, seconds=1.0)
+    policy.record_draft(5.0, 4, batch=2, catch_up=True)
+    policy.record_pass(2, 4, tokens=10, seconds=50.0, catch_up=True)
+    assert policy.draft_seconds(4, 2) == 0.01 and policy.realized(2, 4) == pytest.approx(10.0)
+
+
+def test_one_held_up_pass_counts_as_a_few_average_ones() -> None:
+    """Plain passes of 1 s, then one held up for 20 s by something else: it counts as 3 s (`OUTLIER` x the
+    mean), so plain decoding's measured rate does not fall below speculation's for one hiccup."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
+    for _ in range(MIN_PASSES):
+        policy.record_pass(2, 0, tokens=10, seconds=1.0)
+    policy.record_pass(2, 0, tokens=10, seconds=20.0)
+    d = PASS_DECAY
+    old = sum(d**i for i in range(1, MIN_PASSES + 1))
+    assert policy.realized(2, 0) == pytest.approx((10 * old + 10) / (old + OUTLIER))

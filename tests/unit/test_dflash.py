@@ -234,6 +234,7 @@ def test_block_attention_is_bidirectional_and_bounded(draft: DFlashDraftModel, t
 
     d = drafter(draft, target, draft_dir)
     d.prefill([1, 2, 3], torch.randn(3, 128, generator=gen))
+    assert d.backlog == 0  # the prompt enters the context cache at prefill
     before = d.block_log_probs(7)
     for k in d.cache.k:
         k[:, :, 3:] = 5.0  # garbage past the committed context must not be read
@@ -261,6 +262,13 @@ def test_propose_chain_and_ddtree(draft: DFlashDraftModel, target: CausalLM, dra
     assert dd.length == 4  # proposing commits nothing
     small = dd.propose(11, max_drafts=6)  # a smaller budget: the best 6-node tree
     assert small.num_nodes == 6 and small.tokens.tolist() == build_ddtree(11, dd.block_log_probs(11), 6).tokens.tolist()
+    # a tree of m nodes is at most m deep: only the first m block positions go through the LM head
+    assert dd.rows_needed(3) == 3 and dd.rows_needed(None) == BS - 1 and chain.rows_needed(2) == 2
+    assert dd.block_log_probs(11, rows=3).shape == (3, target.config.vocab_size)
+    for m in (1, 2, 3, 5, BS + 4):
+        full = build_ddtree(11, dd.block_log_probs(11), m)
+        cut = dd.propose(11, max_drafts=m)
+        assert cut.tokens.tolist() == full.tokens.tolist() and cut.parents.tolist() == full.parents.tolist(), m
     assert chain.propose(11, max_drafts=2).tokens.tolist() == [11, *best[:2].tolist()]
 
 

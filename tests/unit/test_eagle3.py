@@ -230,9 +230,11 @@ def test_greedy_chain_rounds_match_recomputation(draft: Eagle3Model, target: Cau
     drafter = make_drafter(draft, target, steps)
     assert drafter.capture == AUX
     drafter.prefill(hist.tokens, hist.hidden)
+    assert drafter.backlog == 6  # the prompt's pairs wait for the first propose
     root = 11
     for max_drafts in (None, 2, None, 1, steps + 3, 3):  # a cut chain drafts only that many steps
         tree = drafter.propose(root, max_drafts)
+        assert drafter.backlog == 0
         n = steps if max_drafts is None else min(steps, max_drafts)
         assert tree.is_chain and tree.num_nodes == n and tree.draft_probs is None
         path: list[int] = []
@@ -242,6 +244,7 @@ def test_greedy_chain_rounds_match_recomputation(draft: Eagle3Model, target: Cau
         k = hist.rng.randint(0, n)  # accept a random prefix, the whole chain included
         root = hist.commit(drafter, tree.tokens[: k + 1].tolist())
         assert drafter.committed == len(hist.tokens) - k - 1  # the accepted pairs wait for the next propose
+        assert drafter.backlog == k + 1
 
 
 def test_sampled_chain_returns_its_draft_distributions(draft: Eagle3Model, target: CausalLM) -> None:

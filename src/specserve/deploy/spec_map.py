@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 def adaptive(b: ArgsBuilder, cfg: ServeConfig, sglang: bool) -> None:
     s, on, profile = cfg.speculative, cfg.speculative_adaptive, cfg.speculative_adaptive_profile
+    if cfg.speculative_adaptive_trace:
+        b.skip("--speculative-adaptive-trace", cfg.speculative_adaptive_trace,
+               "specserve's per-step log of decode passes; the engine has no counterpart")
     if not s.enabled or not on:
         b.map("--speculative-adaptive", on, note="plain decoding: nothing to adapt" if not s.enabled else
               "the configured draft width every step: the engine default")

@@ -43,11 +43,19 @@ drafters' catch-up (see below), measured at that batch size: at high concurrency
 over every prompt and token committed since the last speculation, which can cost many plain steps.
 
 Measured rates are decayed sums of tokens (verified, before stop conditions cut a request's last ones) over
-decayed sums of seconds (not averages of per-pass rates), so one lucky pass does not flip the decision. The
-first speculating step after plain ones is not measured: drafters catch up then on everything the plain steps
-committed (one forward over the whole stretch), a cost paid once per switch, not per step; a try therefore
-speculates for two steps and measures the second. The catch-up step's host time is kept apart (per batch size)
-and charged to exploration.
+decayed sums of seconds (not averages of per-pass rates), so one lucky pass does not flip the decision. They
+decay with the engine's passes, not with their own updates (`PASS_DECAY` per decode pass of any width or batch
+size), and one not updated for `4 * explore_every` passes is stale: not compared until measured again (that
+pass then outweighs the stale ones). The machine's speed drifts, so speculation measured now is compared with
+plain decoding measured about as recently: plain decoding measured in a slow phase and refreshed once in 32
+speculating steps would otherwise keep a losing width for minutes. A pass slower than `OUTLIER` times the mean
+of its width counts as that (a plain step held up 6x by another process once switched a whole level to a
+losing width). The first speculating step after plain ones is not measured: drafters catch up then on
+everything the plain steps committed (one forward over the whole stretch), a cost paid once per switch, not
+per step; a try therefore speculates for two steps and measures the second. The catch-up step's host time is
+kept apart (per batch size) and charged to exploration. Nor is a step where some request's drafter absorbs
+more than a round's tokens (a request joining a speculating batch: EAGLE-3 and draft models take in its prompt
+on its first propose; the engine flags it from `Drafter.backlog`): a one-off per request, not the width's cost.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ class AdaptivePolicy:
         self.explore_every = explore_every
         self.explore_max = explore_max
         self.explore_cost = explore_cost
+        self._stale_after = 4 * explore_every  # passes after which a measured rate is forgotten
         self.decay = decay
         # [j]: decayed count of rounds whose accepted path holds node j+1 / that verified node j+1 (width > j);
         # both start at `prior_rounds` rounds accepting everything: a fresh engine speculates until rounds say
@@ -92,8 +101,11 @@ class AdaptivePolicy:
         self._last_width = 0  # the previous choice
         self._catch_up = False  # the current step is the first speculating one after plain ones: not measured
         self._tries_left = 0  # further steps of the current try
-        # decode passes per (batch bucket (power of two), width; 0 = plain): decayed sums of (tokens, seconds, passes)
-        self._realized: dict[tuple[int, int], tuple[float, float, float]] = {}
+        # decode passes per (batch bucket (power of two), width; 0 = plain): sums of tokens, seconds and passes
+        # decayed to the pass clock of the last update, passes measured, that clock
+        self._realized: dict[tuple[int, int], tuple[float, float, float, int, int]] = {}
+        self._clock = 0  # decode passes recorded
+        self._calib: dict[int, float] = {}  # batch bucket -> last median ratio of measured to modelled rates
         self._try_width = max_width  # the width the current try verifies
         self.choices: dict[int, int] = {}  # width -> steps that chose it
 
@@ -105,9 +117,13 @@ class AdaptivePolicy:
             self._offered[j] = self._offered[j] * self.decay + 1.0
             self._on_path[j] = self._on_path[j] * self.decay + (1.0 if j + 1 in on else 0.0)
 
-    def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1) -> None:
+    def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1,
+                     catch_up: bool = False) -> None:
         """Host time per request of a step of `batch` requests that verified `width` drafts (default: the full
-        width), all of the step but the target forward."""
+        width), all of the step but the target forward. `catch_up`: some request's drafter absorbed more than a
+        round's tokens this step (a request that joined a speculating batch): not measured."""
+        if catch_up and not self._catch_up:
+            return
         if self._catch_up:  # the first speculating step after plain ones: drafters catch up on the backlog
             b = _bucket(batch)
             c = self._catch_up_s.get(b)
@@ -131,14 +147,18 @@ class AdaptivePolicy:
         """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
         self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
 
-    def record_pass(self, batch: int, width: int, tokens: float, seconds: float) -> None:
+    def record_pass(self, batch: int, width: int, tokens: float, seconds: float, catch_up: bool = False) -> None:
         """A decode pass of `batch` requests verifying `width` drafts each (0 = plain decoding; drafting,
-        forward, verification) produced `tokens` in `seconds`."""
-        if seconds <= 0 or (width > 0 and self._catch_up):
+        forward, verification) produced `tokens` in `seconds`; `catch_up` as for `record_draft`."""
+        self._clock += 1
+        if seconds <= 0 or (width > 0 and (self._catch_up or catch_up)):
             return
         bucket = _bucket(batch)
-        t, s, n = self._realized.get((bucket, width), (0.0, 0.0, 0.0))
-        self._realized[(bucket, width)] = (0.9 * t + tokens, 0.9 * s + seconds, 0.9 * n + 1.0)
+        t, s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0.0, 0, self._clock))
+        if n >= MIN_PASSES:  # a pass slowed by something else (another process, a collection) counts as 3 average
+            seconds = min(seconds, OUTLIER * s / m)
+        keep = PASS_DECAY ** (self._clock - at)
+        self._realized[(bucket, width)] = (keep * t + tokens, keep * s + seconds, keep * m + 1.0, n + 1, self._clock)
         plain, spec = self.realized(batch, 0), self.realized(batch, width)
         if width > 0 and plain is not None and spec is not None:  # back off tries where speculation keeps losing
             gap = self._explore_gap.get(bucket, self.explore_every)
@@ -146,9 +166,12 @@ class AdaptivePolicy:
 
     def realized(self, batch: int, width: int) -> float | None:
         """Output tokens/s measured for decode passes of this width at this batch size (its power-of-two
-        bucket); None until `MIN_PASSES` were measured (one pass can be a request's last, cut short)."""
+        bucket); None until `MIN_PASSES` were measured (one pass can be a request's last, cut short), and again
+        once the last one is stale (`4 * explore_every` passes old)."""
         sums = self._realized.get((_bucket(batch), width))
-        return sums[0] / sums[1] if sums is not None and sums[2] >= _MIN_WEIGHT else None
+        if sums is None or sums[3] < MIN_PASSES or self._clock - sums[4] > self._stale_after:
+            return None
+        return sums[0] / sums[1]
 
     def expected_tokens(self, width: int) -> float:
         """1 + the expected number of accepted drafts when rounds verify their first `width` nodes."""
@@ -177,12 +200,16 @@ class AdaptivePolicy:
     def scores(self, batch: int, model: list[float] | None = None) -> list[float]:
         """Tokens/s of every width at this batch size: measured where `MIN_PASSES` passes were; elsewhere the
         model's, for speculating widths scaled by how far the measured ones fell short of (or beat) the model
-        (the median ratio), so one optimistic model does not send the engine through every width in turn.
+        (the median ratio; where none is measured now, the last ratio seen at this batch size: a model's bias
+        outlives its measurements), so one optimistic model does not send the engine through every width in turn.
         `model`: `rates(batch)` where the caller has it already."""
         model = self.rates(batch) if model is None else model
         measured = [self.realized(batch, w) for w in range(self.max_width + 1)]
         ratios = sorted(m / model[w] for w, m in enumerate(measured) if w > 0 and m is not None and model[w] > 0)
-        calib = ratios[len(ratios) // 2] if ratios else 1.0
+        bucket = _bucket(batch)
+        if ratios:
+            self._calib[bucket] = ratios[len(ratios) // 2]
+        calib = self._calib.get(bucket, 1.0)  # where no width is measured now: the last ratio seen
         return [m if m is not None else model[w] * (calib if w > 0 else 1.0) for w, m in enumerate(measured)]
 
     def choose(self, batch: int) -> int:
@@ -251,7 +278,8 @@ class AdaptivePolicy:
         return batch * (w + 1) / spec_s > self.rate(batch, 0)  # could win, with every draft accepted
 
 MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
-_MIN_WEIGHT = sum(0.9**i for i in range(MIN_PASSES)) - 1e-9
+PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
+OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass time of its width and batch size
 
 
 def _bucket(batch: int) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from specserve.engine.adaptive import AdaptivePolicy
 from specserve.engine.drafting import draft_trees
+from specserve.engine.pass_log import PassLog
 from specserve.engine.runner import ModelRunner, Row, RowOutput
 from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
 from specserve.engine.sequence import Sequence
@@ -140,6 +141,7 @@ class BatchEngine:
         # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)
         self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
+        self.pass_log: PassLog | None = None  # --speculative-adaptive-trace
         self._requests: dict[str, _Request] = {}
         self._block_offsets = torch.arange(config.kv_block_size)
 
@@ -247,8 +249,12 @@ class BatchEngine:
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
         t0, f0 = time.perf_counter(), self.counters.forward_s
-        trees = draft_trees(items, [self._requests[i.seq.request_id].drafter for i in items],
-                            self.config.batch_invariant, self.device)
+        drafters = [self._requests[i.seq.request_id].drafter for i in items]
+        # some drafter absorbs more than a round's tokens (a new request's prompt, rounds it skipped): a
+        # one-off cost, not the steady cost of drafting at this width
+        catch_up = any(d is not None and i.num_draft_tokens > 0 and d.backlog > self.max_draft + 2
+                       for i, d in zip(items, drafters, strict=True))
+        trees = draft_trees(items, drafters, self.config.batch_invariant, self.device)
         rows: list[Row] = []
         for item, tree in zip(items, trees, strict=True):
             n = tree.num_nodes + 1
@@ -267,19 +273,22 @@ class BatchEngine:
             out, n = self._verify(item, tree, res, speculated=k > 0)
             outs += out
             verified += n
+        if self.policy is not None and self.shadow is not None:  # see engine/shadow.py
+            live = [(r.seq.request_id, r.seq.token_ids, r.drafter)
+                    for r in (self._requests.get(i.seq.request_id) for i in items) if r is not None]
+            for path in self.shadow.after_step(live, set(self._requests), plain=k == 0, width=self.max_draft):
+                self.policy.record_accept(path, self.max_draft)
+        elapsed = time.perf_counter() - t0  # the shadow rounds' cost counts in the pass's time
+        forward = self.counters.forward_s - f0
+        if self.pass_log is not None:
+            self.pass_log.write(len(items), k, verified, elapsed, forward, catch_up)
         if self.policy is not None:
-            if self.shadow is not None:  # see engine/shadow.py; its cost counts in the pass's host time
-                live = [(r.seq.request_id, r.seq.token_ids, r.drafter)
-                        for r in (self._requests.get(i.seq.request_id) for i in items) if r is not None]
-                for path in self.shadow.after_step(live, set(self._requests), plain=k == 0, width=self.max_draft):
-                    self.policy.record_accept(path, self.max_draft)
-            elapsed = time.perf_counter() - t0  # host time per request of this decode pass: all but the forward
-            host = (elapsed - (self.counters.forward_s - f0)) / len(items)
+            host = (elapsed - forward) / len(items)  # host time per request of this decode pass
             if k > 0:
-                self.policy.record_draft(host, k, len(items))
+                self.policy.record_draft(host, k, len(items), catch_up)
             else:
                 self.policy.record_plain(host)
-            self.policy.record_pass(len(items), k, verified, elapsed)
+            self.policy.record_pass(len(items), k, verified, elapsed, catch_up)
         return outs
 
     def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput,

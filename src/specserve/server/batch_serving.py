@@ -27,6 +27,7 @@ from typing import Any
 from specserve.engine.adaptive import AdaptivePolicy
 from specserve.engine.batch import BatchEngine, EngineConfig, StepOutput
 from specserve.engine.llm import LLM
+from specserve.engine.pass_log import PassLog
 from specserve.engine.profile import engine_profile
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_api import (
@@ -168,6 +169,8 @@ class BatchServingEngine:
             await asyncio.to_thread(self._thread.join, timeout)
         if self._delivery is not None:
             await asyncio.to_thread(self._delivery.join, timeout)
+        if self._engine.pass_log is not None:
+            self._engine.pass_log.close()
 
     # -- internals
 
@@ -267,10 +270,13 @@ class BatchServingEngine:
 
 
 def build_batch_engine(llm: LLM, config: EngineConfig, adaptive: bool = True,
-                       profile_path: str | None = None) -> BatchEngine:
+                       profile_path: str | None = None, trace_path: str | None = None) -> BatchEngine:
     """The continuous-batching engine for a loaded `LLM`; with speculation and `adaptive`, its cost profile
-    is loaded from `profile_path` (or the per-machine default) or measured there first."""
+    is loaded from `profile_path` (or the per-machine default) or measured there first. `trace_path`: a
+    JSON-lines log of every decode pass (`engine/pass_log.py`)."""
     engine = BatchEngine(llm.model, llm.eos_ids, llm.tokenizer.decode, config, llm.drafter_builder)
+    if trace_path:
+        engine.pass_log = PassLog(Path(trace_path))
     if adaptive and llm.drafter_builder is not None and engine.max_draft > 0:
         profile, path = engine_profile(engine, Path(profile_path) if profile_path else None)
         log.info("adaptive speculation: cost profile %s", path)

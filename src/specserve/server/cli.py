@@ -42,7 +42,8 @@ def run_server(args: argparse.Namespace) -> int:
     cfg = serve_config_from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
-    engine = build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile)
+    engine = build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile,
+                                cfg.speculative_adaptive_trace)
     app = create_app(BatchServingEngine(llm, engine, cfg.max_queue, overlap=cfg.overlap_schedule), cfg)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,

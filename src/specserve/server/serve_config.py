@@ -45,6 +45,7 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     speculative_adaptive: bool = True
     speculative_adaptive_profile: str | None = None
+    speculative_adaptive_trace: str | None = None  # JSON-lines log of every decode pass
     overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
@@ -111,6 +112,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="per step, verify as many drafts as pays at the current batch size (or none)")
     s.add_argument("--speculative-adaptive-profile", default=None,
                    help="JSON cost profile to reuse (measured and written there when missing or stale)")
+    s.add_argument("--speculative-adaptive-trace", default=None, metavar="FILE",
+                   help="append a JSON line per decode pass (batch, draft width, tokens, seconds) to FILE")
 
 
 class _Default:
@@ -202,6 +205,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             batch_invariant=ns.enable_deterministic_inference,
         ),
         speculative_adaptive=ns.speculative_adaptive, speculative_adaptive_profile=ns.speculative_adaptive_profile,
+        speculative_adaptive_trace=ns.speculative_adaptive_trace,
         overlap_schedule=not ns.disable_overlap_schedule,
     )
     if config_path:

@@ -66,6 +66,10 @@ class DFlashDrafter(Drafter):
         self._pending.append(hidden)
 
     @property
+    def backlog(self) -> int:
+        return sum(int(h.shape[0]) for h in self._pending)
+
+    @property
     def context_tokens(self) -> int:
         """Tokens whose target states the drafter holds: in the context cache or queued for it."""
         return self.length + sum(int(h.shape[0]) for h in self._pending)
@@ -83,22 +87,33 @@ class DFlashDrafter(Drafter):
         self.draft.append_context(self.cache, self.length, hidden[None].to(self.dtype), positions)
         self.length += t
 
-    def block_log_probs(self, root: int) -> torch.Tensor:
-        """[bs-1, V] float32: row i-1 = log-distribution of the token at position P+i (mask i of the block)."""
+    def block_log_probs(self, root: int, rows: int | None = None) -> torch.Tensor:
+        """[rows, V] float32 (rows: default bs-1): row i-1 = log-distribution of the token at position P+i (mask i
+        of the block). The block forward is the whole block's either way; `rows` saves LM-head products."""
         self._flush()
         ids = self._block_ids.clone()
         ids[0, 0] = root
         noise = self.target.embed(ids).to(self.dtype)  # [1, bs, H]
         positions = (self._offsets + self.length)[None]  # [1, bs]
         hidden = self.draft(noise, positions, self.draft.cached_context(self.cache, self.length))  # [1, bs, H]
-        logits = self.target.logits(hidden[0, 1:])  # [bs-1, V]
+        logits = self.target.logits(hidden[0, 1: 1 + self._rows(rows)])  # [rows, V]
         return torch.log_softmax(logits.float(), dim=-1)
+
+    def _rows(self, rows: int | None) -> int:
+        return self.block_size - 1 if rows is None else max(1, min(rows, self.block_size - 1))
+
+    def rows_needed(self, max_drafts: int | None) -> int:
+        """Block positions a tree of at most `max_drafts` draft nodes reads: its depth is at most its size."""
+        budget = self.spec.num_draft_tokens  # DDTree: draft nodes; chain: the root included
+        if self.spec.tree == "ddtree":
+            return self._rows(budget if max_drafts is None else max(1, min(budget, max_drafts)))
+        return self._rows((budget if max_drafts is None else max(2, min(budget, max_drafts + 1))) - 1)
 
     def skip(self, root: int) -> None:
         """The context cache only grows in `accept`; a round without drafts needs nothing."""
 
     def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
-        return self._tree(root, self.block_log_probs(root), max_drafts)
+        return self._tree(root, self.block_log_probs(root, self.rows_needed(max_drafts)), max_drafts)
 
     @classmethod
     def propose_many(cls, drafters: Sequence[Drafter], roots: list[int],
@@ -108,7 +123,8 @@ class DFlashDrafter(Drafter):
         if (len(group) < 2 or len(group) != len(drafters)
                 or any(d.draft is not group[0].draft or d.block_size != group[0].block_size for d in group)):
             return super().propose_many(drafters, roots, max_drafts)
-        log_probs = _block_log_probs_many(group, roots)  # [B, bs-1, V]
+        rows = max(d.rows_needed(m) for d, m in zip(group, max_drafts, strict=True))
+        log_probs = _block_log_probs_many(group, roots, rows)  # [B, rows, V]
         return [d._tree(r, lp, m) for d, r, lp, m in zip(group, roots, log_probs, max_drafts, strict=True)]
 
     def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
@@ -119,9 +135,9 @@ class DFlashDrafter(Drafter):
         return DraftTree.chain(root, log_probs[: n - 1].argmax(dim=-1))  # drafts [n-1]
 
 
-def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int]) -> torch.Tensor:
+def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int], rows: int) -> torch.Tensor:
     """`block_log_probs` of B requests in one forward: each block attends to its own context (padded to the
-    longest, masked) and itself. -> [B, bs-1, V] float32."""
+    longest, masked) and itself. -> [B, rows, V] float32."""
     first = drafters[0]
     for d in drafters:
         d._flush()
@@ -144,5 +160,5 @@ def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int]) -> to
     keys = torch.arange(longest + bs, device=dev)[None]  # [1, C+bs]
     mask = (keys < lengths[:, None]) | (keys >= longest)  # [B, C+bs]: own context, the whole block
     hidden = first.draft(noise, positions, context, mask[:, None, None, :])  # [B, bs, H]
-    logits = first.target.logits(hidden[:, 1:])  # [B, bs-1, V]
+    logits = first.target.logits(hidden[:, 1: 1 + rows])  # [B, rows, V]
     return torch.log_softmax(logits.float(), dim=-1)

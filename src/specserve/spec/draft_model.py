@@ -46,6 +46,10 @@ class DraftModelDrafter(Drafter):
     def prefill(self, prompt_ids: list[int], hidden: torch.Tensor | None) -> None:
         self.length, self.pending = 0, list(prompt_ids)
 
+    @property
+    def backlog(self) -> int:
+        return len(self.pending) + 1
+
     def _feed(self, tokens: list[int], mask: torch.Tensor | None = None,
               positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run the draft model on `tokens` at slots [length, length+n); returns logits [n, V]."""

@@ -45,6 +45,12 @@ class Drafter(ABC):
         their forwards across requests override it."""
         return [d.propose(r, m) for d, r, m in zip(drafters, roots, max_drafts, strict=True)]
 
+    @property
+    def backlog(self) -> int:
+        """Committed tokens the next `propose` absorbs before drafting (drafters that catch up lazily: a new
+        request's prompt, rounds skipped); at most the last round's accepted tokens + 1 while speculating."""
+        return 0
+
     def skip(self, root: int) -> None:
         """A round without drafts at `root`; `accept([root], ...)` follows. Drafters whose `propose` keeps
         state override this with something cheaper than drafting and discarding."""

@@ -105,6 +105,10 @@ class Eagle3Drafter(Drafter):
         steps = [_steps(d.spec.num_steps, m) for d, m in zip(group, max_drafts, strict=True)]
         return _propose_chains(group, roots, steps)
 
+    @property
+    def backlog(self) -> int:
+        return len(self._pending_tokens) + (self._pending_hidden is not None)
+
     def skip(self, root: int) -> None:
         """No drafting this round: `root` completes the last pending pair, and the pending pairs stay pending,
         so rounds without speculation cost no drafter forward; the next `propose` commits them all at once."""

@@ -1,0 +1,35 @@
+"""A JSON-lines log of decode passes (`specserve serve --speculative-adaptive-trace FILE`): per step, what
+adaptive speculation chose and what it got, so a served run's choices can be checked after the fact.
+
+One line per decode pass: {"t": seconds since the log opened, "batch": running requests, "width": draft
+tokens verified per request (0 = plain decoding), "tokens": tokens the pass produced (before stop conditions),
+"seconds": the pass's wall time (drafting, forward, verification), "forward_s": of which the target forward,
+"catch_up": some drafter absorbed more than a round's tokens (not measured by the policy)}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class PassLog:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)  # a line per pass: a killed server loses none
+        self._t0 = time.monotonic()
+
+    def write(self, batch: int, width: int, tokens: int, seconds: float, forward_s: float, catch_up: bool) -> None:
+        self._file.write(json.dumps({
+            "t": round(time.monotonic() - self._t0, 4), "batch": batch, "width": width, "tokens": tokens,
+            "seconds": round(seconds, 5), "forward_s": round(forward_s, 5), "catch_up": catch_up,
+        }) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_pass_log(path: Path) -> list[dict[str, float]]:
+    """The passes a `PassLog` wrote, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
