@@ -14,8 +14,9 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.adaptive import AdaptivePolicy
-from specserve.engine.batch import BatchEngine, EngineConfig
+from specserve.engine.batch import BatchEngine
 from specserve.engine.cost_profile import CostProfile
+from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.plain import generate_plain
 from specserve.kv.contiguous import KVCache

@@ -13,8 +13,9 @@ import pytest
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
 from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, AdaptivePolicy
-from specserve.engine.batch import BatchEngine, EngineConfig
+from specserve.engine.batch import BatchEngine
 from specserve.engine.cost_profile import CostProfile
+from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.profile import engine_profile, profile_grid, profile_key
 from specserve.types import SamplingParams

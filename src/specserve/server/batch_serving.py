@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from specserve.engine.adaptive import AdaptivePolicy
-from specserve.engine.batch import BatchEngine, EngineConfig, StepOutput
+from specserve.engine.batch import BatchEngine
+from specserve.engine.engine_config import EngineConfig, StepOutput
 from specserve.engine.llm import LLM
 from specserve.engine.pass_log import PassLog
 from specserve.engine.profile import engine_profile

@@ -21,7 +21,7 @@ import yaml
 
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import SpeculativeConfig
-from specserve.engine.batch import EngineConfig
+from specserve.engine.engine_config import EngineConfig
 from specserve.models.loader import resolve_model_path
 from specserve.server.tool_parsers import TOOL_PARSERS
 
