@@ -11,8 +11,11 @@ code (one process, plain and speculative side by side):
   heldout-code, greedy, 32 new tokens, all 64 contexts   (headline: real code continuations, short horizon)
   coding10, temperature 0.7, 128 new tokens, seed 0
   coding10, greedy, 128 new tokens, with the loop measure (inflated by the demo target's loops)
-Writes MODEL_CARD.md (data, steps, tokens/s, time split, final loss, the figures and their commands) and
-acceptance.json beside the weights.
+With --dflash-calibrate-suite (training-split prompts, e.g. `python -m specserve.train.prompts --kind
+continuations --count 64 --seed 11 --exclude <the training prompt files>`), the exported DFlash drafter's DDTree
+temperature is picked on them first (`specserve train calibrate ... --write`), before anything is measured.
+Writes MODEL_CARD.md (data, steps, tokens/s, time split, final loss, calibration, the figures and their
+commands) and acceptance.json beside the weights.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.loader import ASSETS
 from specserve.spec.factory import drafter_block_size
+from specserve.train.calibrate import CalibrateConfig, calibrate_tree_temperature
 from specserve.train.export import ExportConfig, export, run_tokens_per_s
 from specserve.types import SamplingParams
 
@@ -84,7 +88,8 @@ def data_line(data_dir: Path, meta: dict[str, Any]) -> str:
 
 
 def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[tuple[Path, dict[str, Any]]],
-         rows: list[dict[str, Any]], spec: SpeculativeConfig) -> str:
+         rows: list[dict[str, Any]], spec: SpeculativeConfig, calibration: dict[str, Any] | None = None,
+         calibration_prompts: str | None = None) -> str:
     """stages: (run directory, its training command) in order; a later stage starts from the one before
     (`--init-from`). data: (prepared directory, its meta.json) of every data set the stages used."""
     lines = [
@@ -112,6 +117,17 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[t
     lines += [
         f"- In all: {steps} steps, {tokens} tokens seen; then `python scripts/finalize_drafters.py` (bf16 export, "
         "checked to load back with identical outputs).",
+    ]
+    if calibration is not None:
+        c = calibration
+        grid = ", ".join(f"{t} → {a:.2f}" for t, a in c["accept_length"].items())
+        lines.append(
+            f"- DDTree temperature {c['best']} (`dflash_config.tree_temperature`): `specserve train calibrate "
+            f"--drafter src/specserve/assets/models/demo-{kind} --suite {c['suite']} --write` measured greedy "
+            f"accept length, {c['max_new_tokens']} tokens, budget {c['ddtree_budget']}, on {c['prompts']} "
+            f"validation contexts of the training split ({grid})"
+            + (f"; the contexts: `{calibration_prompts}`" if calibration_prompts else "") + ".")
+    lines += [
         "",
         "## Acceptance on the demo target (mean accept length, bonus token included; CPU fp32)",
         "",
@@ -138,6 +154,10 @@ def main() -> None:
     ap.add_argument("--eagle3-command", action="append", default=None,
                     help="the training command of each --eagle3 run, in order (for the card)")
     ap.add_argument("--dflash-command", action="append", default=None)
+    ap.add_argument("--dflash-calibrate-suite", default=None,
+                    help="training-split prompts (JSONL) to pick the DFlash drafter's DDTree temperature on")
+    ap.add_argument("--dflash-calibrate-prompts-command", default=None,
+                    help="the command that wrote --dflash-calibrate-suite (for the card)")
     a = ap.parse_args()
     data = [(d, json.loads((d / "meta.json").read_text())) for d in a.data]
     jobs = [("eagle3", "EAGLE3", a.eagle3, "sglang", a.eagle3_command),
@@ -150,13 +170,19 @@ def main() -> None:
         run = runs[-1]
         dest = ASSETS / f"demo-{kind}"
         export(ExportConfig(drafter=run, target="demo", out=dest, format=fmt, dtype="bfloat16"))
+        calibration = None
+        if kind == "dflash" and a.dflash_calibrate_suite:
+            calibration = calibrate_tree_temperature(CalibrateConfig(
+                drafter=dest, suite=a.dflash_calibrate_suite, write=True))
+            print(json.dumps({"calibration": calibration}), flush=True)
         rows = measure(algorithm, dest)
         spec = replace(resolve(algorithm, dest), draft_model_path=dest.name)  # the bundled name, not this path
         (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, list(zip(runs, cmds, strict=True)), data, rows,
-                                                 spec))
+                                                 spec, calibration, a.dflash_calibrate_prompts_command))
         readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
         readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))
-        (dest / "acceptance.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (dest / "acceptance.json").write_text(json.dumps(rows if calibration is None else
+                                                         {"views": rows, "calibration": calibration}, indent=1) + "\n")
         print(json.dumps({"drafter": str(dest), "views": rows}))
 
 

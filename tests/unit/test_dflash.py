@@ -351,3 +351,31 @@ def test_batched_blocks_equal_one_by_one(draft: DFlashDraftModel, target: Causal
             hidden = torch.randn(i + 1, 128, generator=gen)
             a.accept([roots[i]] * (i + 1), hidden, roots[i])
             b.accept([roots[i]] * (i + 1), hidden, roots[i])
+
+
+def test_tree_temperature_is_read_written_and_shapes_the_ddtree(draft_dir: Path, draft: DFlashDraftModel,
+                                                                 target: CausalLM, tmp_path: Path) -> None:
+    """`dflash_config.tree_temperature` (a calibration, `specserve train calibrate`): absent = 1; written only
+    when set; the DDTree is built from the block's log-distributions at that temperature; a chain's argmax does
+    not change; <= 0 is refused with the field's name."""
+    raw = json.loads((draft_dir / "config.json").read_text())
+    assert "tree_temperature" not in raw["dflash_config"] and DFlashConfig.from_hf(raw).tree_temperature == 1.0
+    sharp = replace(draft.config, tree_temperature=0.5)
+    assert DFlashConfig.from_hf(sharp.to_hf()).tree_temperature == 0.5
+    with pytest.raises(ValueError, match="tree_temperature must be > 0"):
+        replace(draft.config, tree_temperature=0.0)
+    hidden = torch.randn(5, 128, generator=torch.Generator().manual_seed(8))
+    sharp_model = DFlashDraftModel(sharp)
+    sharp_model.load_state_dict(draft.state_dict())
+    plain_dd = drafter(draft, target, draft_dir, "ddtree", n=12)
+    sharp_dd = drafter(sharp_model, target, draft_dir, "ddtree", n=12)
+    for d in (plain_dd, sharp_dd):
+        d.prefill([5, 6, 7, 8, 9], hidden)
+    lp = plain_dd.block_log_probs(11)
+    assert plain_dd.propose(11).tokens.tolist() == build_ddtree(11, lp, 12).tokens.tolist()
+    want = build_ddtree(11, torch.log_softmax(lp / 0.5, dim=-1), 12)
+    got = sharp_dd.propose(11)
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+    sharp_chain = drafter(sharp_model, target, draft_dir, "chain", n=5)
+    sharp_chain.prefill([5, 6, 7, 8, 9], hidden)
+    assert sharp_chain.propose(11).tokens.tolist() == [11, *lp[:4].argmax(-1).tolist()]

@@ -61,9 +61,10 @@ def load_jsonl_tasks(path: Path) -> list[Task]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or "name" not in obj or not ("prompt" in obj or "messages" in obj):
-            raise ValueError(f"{path}:{lineno}: a task needs `name` and `prompt` (or chat `messages`)")
-        tasks.append(Task(str(obj["name"]), obj.get("prompt"), obj.get("messages")))
+        if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
+            raise ValueError(f"{path}:{lineno}: a task needs `prompt` (or chat `messages`), and may have a `name`")
+        # unnamed tasks (a prompts file of `specserve.train.prompts`) are named by their line
+        tasks.append(Task(str(obj.get("name", f"{path.stem}:{lineno}")), obj.get("prompt"), obj.get("messages")))
     if not tasks:
         raise ValueError(f"{path}: no tasks")
     return tasks

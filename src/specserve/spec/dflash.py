@@ -130,6 +130,9 @@ class DFlashDrafter(Drafter):
     def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
         budget = self.spec.num_draft_tokens  # DDTree: draft nodes; chain: the root included
         if self.spec.tree == "ddtree":  # a smaller budget builds the best smaller tree, not a cut of the big one
+            tau = self.draft.config.tree_temperature
+            if tau != 1.0:
+                log_probs = torch.log_softmax(log_probs / tau, dim=-1)
             return build_ddtree(root, log_probs, budget if max_drafts is None else max(1, min(budget, max_drafts)))
         n = budget if max_drafts is None else max(2, min(budget, max_drafts + 1))
         return DraftTree.chain(root, log_probs[: n - 1].argmax(dim=-1))  # drafts [n-1]

@@ -57,8 +57,13 @@ class DFlashConfig:
     mask_token_id: int
     block_size: int = 16
     num_target_layers: int | None = None
+    # DDTree is built from the block's distributions at this temperature (< 1 sharpens: deeper trees); a
+    # calibration of the trained drafter (`specserve train calibrate`), not part of its architecture
+    tree_temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.tree_temperature > 0:
+            raise ValueError(f"dflash_config.tree_temperature must be > 0, got {self.tree_temperature}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (the root plus one mask), got {self.block_size}")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
@@ -110,7 +115,7 @@ class DFlashConfig:
                 raise ValueError("dflash_config.target_layer_ids and num_target_layers are both missing")
             ids = default_target_layer_ids(int(num_target), body.num_hidden_layers)
         return cls(body, tuple(int(i) for i in ids), int(mask), int(get("block_size") or 16),
-                   None if num_target is None else int(num_target))
+                   None if num_target is None else int(num_target), float(dcfg.get("tree_temperature", 1.0)))
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         b = self.body
@@ -129,6 +134,8 @@ class DFlashConfig:
                               "target_layer_ids": list(self.target_layer_ids)},
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
+        if self.tree_temperature != 1.0:
+            out["dflash_config"]["tree_temperature"] = self.tree_temperature
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         if b.bos_token_id is not None:

@@ -1,9 +1,10 @@
-"""`specserve train prepare | eagle3 | dflash | export`: drafter training from the command line.
+"""`specserve train prepare | eagle3 | dflash | export | calibrate`: drafter training from the command line.
 
     specserve train prepare --target demo --out runs/data
     specserve train eagle3 --target demo --data runs/data --out runs/eagle3 --steps 2000
     torchrun --nproc-per-node 2 -m specserve.train.cli dflash --target demo --data runs/data --out runs/dflash
     specserve train export --drafter runs/eagle3 --target demo --format sglang --out exported/eagle3
+    specserve train calibrate --drafter exported/dflash --suite val.jsonl --write
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def _export(a: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(a: argparse.Namespace) -> int:
+    from specserve.train.calibrate import CalibrateConfig, calibrate_tree_temperature
+
+    print(json.dumps(calibrate_tree_temperature(CalibrateConfig(
+        drafter=a.drafter, suite=a.suite, grid=tuple(a.grid), target=a.target, num_prompts=a.prompts,
+        max_new_tokens=a.max_new_tokens, ddtree_budget=a.ddtree_budget, write=a.write))))
+    return 0
+
+
 def _common_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="demo", help="target model: a HF directory or `demo`")
     p.add_argument("--data", type=Path, nargs="+", required=True,
@@ -170,6 +180,17 @@ def add_train_parsers(subparsers: Any) -> None:
     x.add_argument("--out", type=Path, required=True)
     x.add_argument("--dtype", default="bfloat16", help="float32 | float16 | bfloat16")
     x.set_defaults(func=_export)
+
+    c = subparsers.add_parser("calibrate", help="pick a DFlash drafter's DDTree temperature on validation prompts")
+    c.add_argument("--drafter", type=Path, required=True, help="a DFlash drafter directory (config.json + weights)")
+    c.add_argument("--suite", required=True, help="JSONL of training-split prompts (not heldout-code / coding10)")
+    c.add_argument("--target", default="demo")
+    c.add_argument("--grid", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    c.add_argument("--prompts", type=int, default=64, help="prompts of the suite to use")
+    c.add_argument("--max-new-tokens", type=int, default=32)
+    c.add_argument("--ddtree-budget", type=int, default=16)
+    c.add_argument("--write", action="store_true", help="write the best temperature into the drafter's config.json")
+    c.set_defaults(func=_calibrate)
 
 
 def main(argv: list[str] | None = None) -> int:

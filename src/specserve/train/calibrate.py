@@ -1,0 +1,77 @@
+"""Calibrating a trained DFlash drafter's DDTree: the temperature its block distributions are taken at before
+the tree is built (`dflash_config.tree_temperature`).
+
+DDTree keeps the `budget` most probable prefixes under the drafter's distributions; a drafter trained with a
+soft cross-entropy is often less sure of its top token than it should be, which spends the budget on siblings
+where a deeper path would be accepted. Each temperature of the grid is measured by mean accept length (the
+real speculative loop, `train/evaluate.py`) on a validation suite: prompts from the training split, never an
+evaluation suite. The best one is written into the drafter's config.json with `write`; the weights are not
+touched, and the output of speculative decoding is the target's at every temperature (only the drafts change).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specserve.models.llama import CausalLM
+from specserve.models.loader import load_model
+from specserve.spec.dflash_checkpoint import read_dflash_config
+from specserve.train.evaluate import AcceptanceEvaluator, EvalConfig
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    drafter: Path
+    suite: str  # a JSONL of training-split prompts (`python -m specserve.train.prompts --kind continuations`)
+    grid: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    target: str = "demo"
+    num_prompts: int | None = 64
+    max_new_tokens: int = 32
+    ddtree_budget: int = 16
+    write: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.grid or any(not t > 0 for t in self.grid):
+            raise ValueError(f"--grid must list temperatures > 0, got {list(self.grid)}")
+        if self.suite in ("heldout-code", "coding10"):
+            raise ValueError(f"--suite {self.suite}: calibrate on training-split prompts, not an evaluation suite")
+
+
+def calibrate_tree_temperature(cfg: CalibrateConfig, progress: bool = True) -> dict[str, Any]:
+    """Mean accept length (greedy) at each temperature of the grid; the best, written with `cfg.write`."""
+    read_dflash_config(cfg.drafter)  # a DFlash drafter directory, or a clear error before the target loads
+    target, _, target_dir = load_model(cfg.target, torch.device("cpu"), torch.float32)
+    assert isinstance(target, CausalLM)
+    evaluator = AcceptanceEvaluator("dflash", target, target_dir, EvalConfig(
+        suite=cfg.suite, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
+        ddtree_budget=cfg.ddtree_budget))
+    raw = json.loads((cfg.drafter / "config.json").read_text())
+    results: dict[float, float] = {}
+    with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
+        view = Path(tmp)  # the drafter's files, with the config.json of each temperature in turn
+        for f in cfg.drafter.iterdir():
+            if f.is_file() and f.name != "config.json":
+                (view / f.name).symlink_to(f.resolve())
+        for tau in tqdm(cfg.grid, desc="tree temperature", disable=not progress):
+            (view / "config.json").write_text(json.dumps(_with_temperature(raw, tau), indent=2) + "\n")
+            results[tau] = round(evaluator.measure(view).accept_length, 4)
+    best = max(results, key=lambda t: (results[t], t == 1.0))  # ties keep the drafter as trained
+    if cfg.write:
+        (cfg.drafter / "config.json").write_text(json.dumps(_with_temperature(raw, best), indent=2) + "\n")
+    return {"drafter": str(cfg.drafter), "suite": cfg.suite, "prompts": len(evaluator.prompts),
+            "max_new_tokens": cfg.max_new_tokens, "ddtree_budget": cfg.ddtree_budget,
+            "accept_length": {str(t): a for t, a in results.items()}, "best": best, "written": cfg.write}
+
+
+def _with_temperature(raw: dict[str, Any], tau: float) -> dict[str, Any]:
+    dcfg = {k: v for k, v in (raw.get("dflash_config") or {}).items() if k != "tree_temperature"}
+    if tau != 1.0:
+        dcfg["tree_temperature"] = tau
+    return {**raw, "dflash_config": dcfg}

@@ -1,0 +1,44 @@
+"""`specserve train calibrate`: a DFlash drafter's DDTree temperature picked on validation prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.cli import main
+from specserve.models.loader import load_model
+from specserve.spec.dflash_checkpoint import init_random_dflash, read_dflash_config
+from specserve.train.calibrate import CalibrateConfig
+
+
+def test_calibrate_measures_the_grid_and_writes_the_best(tiny_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _, cfg, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
+    drafter = tmp_path / "dflash"
+    init_random_dflash(cfg, drafter, seed=3, num_hidden_layers=1)
+    weights = (drafter / "model.safetensors").read_bytes()
+    suite = tmp_path / "val.jsonl"  # a prompts file as `specserve.train.prompts` writes it: no names
+    suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "for i in range(")))
+    args = ["train", "calibrate", "--drafter", str(drafter), "--target", str(tiny_dir), "--suite", str(suite),
+            "--grid", "0.5", "1.0", "--max-new-tokens", "8", "--ddtree-budget", "4"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["accept_length"]) == {"0.5", "1.0"} and report["prompts"] == 2 and not report["written"]
+    assert all(a >= 1.0 for a in report["accept_length"].values())
+    assert read_dflash_config(drafter).tree_temperature == 1.0  # not written without --write
+    assert main([*args, "--write"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = report["best"]
+    assert report["accept_length"][str(best)] == max(report["accept_length"].values())
+    assert read_dflash_config(drafter).tree_temperature == best
+    assert (drafter / "model.safetensors").read_bytes() == weights  # the weights are not touched
+
+
+def test_calibrate_refuses_evaluation_suites_and_bad_grids(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not an evaluation suite"):
+        CalibrateConfig(drafter=tmp_path, suite="heldout-code")
+    with pytest.raises(ValueError, match="--grid"):
+        CalibrateConfig(drafter=tmp_path, suite="val.jsonl", grid=(0.0, 1.0))
