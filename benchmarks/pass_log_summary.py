@@ -1,0 +1,67 @@
+"""Per level of a served run, speculating passes against plain passes of the same level, from a server's
+`--speculative-adaptive-trace` log (`benchmarks/serving_concurrency.py` keeps one per adaptive server).
+
+    python benchmarks/pass_log_summary.py runs/serving/s12_t0.logs/03-DFLASH-adaptive.passes.jsonl
+
+A served benchmark runs each level on each server in turn, so a server's log is a series of busy stretches
+separated by idle ones: each stretch (split where no pass came for --gap seconds) is one level (or a warm-up).
+Within a stretch the machine's state is about the same for both kinds of pass, unlike two servers' levels that
+ran minutes apart; so this says whether the policy's choices paid at the time they were made. Only passes with
+at least 3/4 of the stretch's peak batch count (ramp-up and tail left out); catch-up passes are left out of the
+speculating ones (a joining request's drafter taking in its prompt).
+
+Prints ONE JSON object: per stretch its peak batch, passes, share speculating, tok/s of speculating and of plain
+passes, and their ratio (null where one kind is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from specserve.engine.pass_log import read_pass_log
+
+
+def stretches(passes: list[dict[str, float]], gap: float) -> list[list[dict[str, float]]]:
+    out: list[list[dict[str, float]]] = []
+    last_end = None
+    for p in passes:
+        if last_end is None or p["t"] - last_end > gap:
+            out.append([])
+        out[-1].append(p)
+        last_end = p["t"] + p["seconds"]
+    return out
+
+
+def _rate(ps: list[dict[str, float]]) -> float | None:
+    seconds = sum(p["seconds"] for p in ps)
+    return sum(p["tokens"] for p in ps) / seconds if ps and seconds > 0 else None
+
+
+def summarize(stretch: list[dict[str, float]]) -> dict[str, Any]:
+    peak = int(max(p["batch"] for p in stretch))
+    full = [p for p in stretch if p["batch"] * 4 >= peak * 3]
+    spec = [p for p in full if p["width"] > 0 and not p["catch_up"]]
+    plain = [p for p in full if p["width"] == 0]
+    s, q = _rate(spec), _rate(plain)
+    return {"peak_batch": peak, "passes": len(full), "spec_share": round(len(spec) / len(full), 3),
+            "spec_tok_s": None if s is None else round(s, 1), "plain_tok_s": None if q is None else round(q, 1),
+            "spec_over_plain": None if s is None or q is None else round(s / q, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pass_log", type=Path)
+    ap.add_argument("--gap", type=float, default=1.0, help="idle seconds that end a stretch")
+    ap.add_argument("--min-batch", type=int, default=4, help="leave out stretches of a smaller peak batch")
+    a = ap.parse_args()
+    rows = [summarize(s) for s in stretches(read_pass_log(a.pass_log), a.gap)]
+    print(json.dumps({"pass_log": str(a.pass_log), "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]},
+                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
