@@ -82,7 +82,7 @@ class AdaptivePolicy:
         self.explore_every = explore_every
         self.explore_max = explore_max
         self.explore_cost = explore_cost
-        self._stale_after = 4 * explore_every  # passes after which a measured rate is forgotten
+        self._stale_after = 4 * explore_every  # passes after which a measured rate is stale: not compared
         self.decay = decay
         # [j]: decayed count of rounds whose accepted path holds node j+1 / that verified node j+1 (width > j);
         # both start at `prior_rounds` rounds accepting everything: a fresh engine speculates until rounds say
