@@ -102,12 +102,15 @@ class DFlashDrafter(Drafter):
     def _rows(self, rows: int | None) -> int:
         return self.block_size - 1 if rows is None else max(1, min(rows, self.block_size - 1))
 
+    def _draft_nodes(self, max_drafts: int | None) -> int:
+        """Draft nodes of this round's tree: the configured budget (DDTree: draft nodes; chain: the root
+        included), cut to `max_drafts`, at least one."""
+        budget = self.spec.num_draft_tokens if self.spec.tree == "ddtree" else self.spec.num_draft_tokens - 1
+        return budget if max_drafts is None else max(1, min(budget, max_drafts))
+
     def rows_needed(self, max_drafts: int | None) -> int:
         """Block positions a tree of at most `max_drafts` draft nodes reads: its depth is at most its size."""
-        budget = self.spec.num_draft_tokens  # DDTree: draft nodes; chain: the root included
-        if self.spec.tree == "ddtree":
-            return self._rows(budget if max_drafts is None else max(1, min(budget, max_drafts)))
-        return self._rows((budget if max_drafts is None else max(2, min(budget, max_drafts + 1))) - 1)
+        return self._rows(self._draft_nodes(max_drafts))
 
     def skip(self, root: int) -> None:
         """The context cache only grows in `accept`; a round without drafts needs nothing."""
@@ -128,14 +131,13 @@ class DFlashDrafter(Drafter):
         return [d._tree(r, lp, m) for d, r, lp, m in zip(group, roots, log_probs, max_drafts, strict=True)]
 
     def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
-        budget = self.spec.num_draft_tokens  # DDTree: draft nodes; chain: the root included
+        n = self._draft_nodes(max_drafts)
         if self.spec.tree == "ddtree":  # a smaller budget builds the best smaller tree, not a cut of the big one
             tau = self.draft.config.tree_temperature
             if tau != 1.0:
                 log_probs = torch.log_softmax(log_probs / tau, dim=-1)
-            return build_ddtree(root, log_probs, budget if max_drafts is None else max(1, min(budget, max_drafts)))
-        n = budget if max_drafts is None else max(2, min(budget, max_drafts + 1))
-        return DraftTree.chain(root, log_probs[: n - 1].argmax(dim=-1))  # drafts [n-1]
+            return build_ddtree(root, log_probs, n)
+        return DraftTree.chain(root, log_probs[:n].argmax(dim=-1))  # drafts [n]
 
 
 def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int], rows: int) -> torch.Tensor:
