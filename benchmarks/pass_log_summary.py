@@ -10,8 +10,11 @@ ran minutes apart; so this says whether the policy's choices paid at the time th
 at least 3/4 of the stretch's peak batch count (ramp-up and tail left out); catch-up passes are left out of the
 speculating ones (a joining request's drafter taking in its prompt).
 
-Prints ONE JSON object: per stretch its peak batch, passes, share speculating, tok/s of speculating and of plain
-passes, and their ratio (null where one kind is missing).
+Prints ONE JSON object: per log, per stretch its peak batch, passes, share speculating, tok/s of speculating and
+of plain passes, and their ratio (null where one kind is missing); and where the stretch's wall time went (all
+passes, ramp-up and tail included): decode passes, prefill passes (of which drafters taking in prompts), and
+the rest (`outside_s`: the server's own work and waits between engine steps). Give the plain server's log too
+(every server of `serving_concurrency.py --out` keeps one) to compare the two stretch by stretch.
 """
 
 from __future__ import annotations
@@ -41,25 +44,37 @@ def _rate(ps: list[dict[str, float]]) -> float | None:
 
 
 def summarize(stretch: list[dict[str, float]]) -> dict[str, Any]:
-    peak = int(max(p["batch"] for p in stretch))
-    full = [p for p in stretch if p["batch"] * 4 >= peak * 3]
+    decodes = [p for p in stretch if p.get("kind", "decode") == "decode"]
+    prefills = [p for p in stretch if p.get("kind") == "prefill"]
+    wall = stretch[-1]["t"] + stretch[-1]["seconds"] - stretch[0]["t"]
+    decode_s, prefill_s = sum(p["seconds"] for p in decodes), sum(p["seconds"] for p in prefills)
+    budget = {"wall_s": round(wall, 3), "tokens": int(sum(p["tokens"] for p in decodes)),
+              "decode_s": round(decode_s, 3), "prefill_s": round(prefill_s, 3),
+              "prefill_drafter_s": round(sum(p.get("drafter_s", 0.0) for p in prefills), 3),
+              "outside_s": round(wall - decode_s - prefill_s, 3)}
+    if not decodes:
+        return {"peak_batch": 0, "passes": 0, **budget}
+    peak = int(max(p["batch"] for p in decodes))
+    full = [p for p in decodes if p["batch"] * 4 >= peak * 3]
     spec = [p for p in full if p["width"] > 0 and not p["catch_up"]]
     plain = [p for p in full if p["width"] == 0]
     s, q = _rate(spec), _rate(plain)
     return {"peak_batch": peak, "passes": len(full), "spec_share": round(len(spec) / len(full), 3),
             "spec_tok_s": None if s is None else round(s, 1), "plain_tok_s": None if q is None else round(q, 1),
-            "spec_over_plain": None if s is None or q is None else round(s / q, 3)}
+            "spec_over_plain": None if s is None or q is None else round(s / q, 3), **budget}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("pass_log", type=Path)
+    ap.add_argument("pass_log", type=Path, nargs="+")
     ap.add_argument("--gap", type=float, default=1.0, help="idle seconds that end a stretch")
     ap.add_argument("--min-batch", type=int, default=4, help="leave out stretches of a smaller peak batch")
     a = ap.parse_args()
-    rows = [summarize(s) for s in stretches(read_pass_log(a.pass_log), a.gap)]
-    print(json.dumps({"pass_log": str(a.pass_log), "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]},
-                     indent=1))
+    logs = []
+    for path in a.pass_log:
+        rows = [summarize(s) for s in stretches(read_pass_log(path, kind=None), a.gap)]
+        logs.append({"pass_log": str(path), "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]})
+    print(json.dumps({"logs": logs}, indent=1))
     return 0
 
 

@@ -25,8 +25,8 @@ against the NONE level of the same round); the rounds' own figures are kept besi
 Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
 the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
 issue's goals as booleans (null when a level needed for one was not run or failed). With --out it also
-writes that JSON, a markdown table (same name, .md) and keeps the server logs (folder NAME.logs/), with the
-adaptive servers' per-pass logs (`--speculative-adaptive-trace`: batch, width, tokens, seconds per decode pass).
+writes that JSON, a markdown table (same name, .md) and keeps the server logs (folder NAME.logs/), with every
+server's per-pass log (`--speculative-adaptive-trace`: decode and prefill passes; `pass_log_summary.py`).
 Exit code 0, or 1 when some configuration failed (its error and log tail are in the JSON), 2 for bad flags.
 """
 
@@ -130,12 +130,12 @@ def start_all(variants: list[Variant], args: argparse.Namespace, logs: Path, liv
         stem = f"{i:02d}-" + "".join(ch if ch.isalnum() else "-" for ch in v.name).strip("-")
         log = logs / f"{stem}.server.log"
         serve_args = list(v.serve_args)
-        passes = logs / f"{stem}.passes.jsonl"  # adaptive servers: every decode pass's width, batch, tokens, time
-        if v.adaptive:
+        passes = logs / f"{stem}.passes.jsonl"  # every engine pass: batch, width, tokens, time (prefills too)
+        if args.out:
             serve_args += ["--speculative-adaptive-trace", str(passes)]
         entry: dict[str, Any] = {"name": v.name, "config": v.config, "adaptive": v.adaptive,
                                  "serve_args": list(v.serve_args), "server_log": str(log) if args.out else None,
-                                 "pass_log": str(passes) if args.out and v.adaptive else None,
+                                 "pass_log": str(passes) if args.out else None,
                                  "error": None, "levels": {}}
         entries.append(entry)
         print(f"{v.name}: starting the server (log {log})", file=sys.stderr, flush=True)

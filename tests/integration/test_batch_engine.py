@@ -18,6 +18,7 @@ from specserve.engine.batch import BatchEngine
 from specserve.engine.cost_profile import CostProfile
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
+from specserve.engine.pass_log import PassLog, read_pass_log
 from specserve.engine.plain import generate_plain
 from specserve.kv.contiguous import KVCache
 from specserve.kv.paged import PagedKVCache
@@ -457,3 +458,31 @@ def test_hidden_state_drafters_keep_features_per_slot(llm: LLM, builders: dict[s
         if eng.kv.features is not None:
             assert eng.kv.features.shape == (8 * 16 + 1, len(eng.capture) * llm.config.hidden_size)
     assert engine(llm, None, num_kv_blocks=8, enable_prefix_cache=False).cache is None
+
+
+# -- g. the pass log (--speculative-adaptive-trace) records every prefill and decode pass, with or without drafts
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle3-chain"])
+def test_pass_log_records_prefill_and_decode_passes(llm: LLM, builders: dict[str, DrafterBuilder | None],
+                                                    prompts: list[list[int]], name: str, tmp_path: Path) -> None:
+    eng = engine(llm, builders[name], enable_prefix_cache=False)
+    eng.pass_log = PassLog(tmp_path / "passes.jsonl")
+    run = Run(eng)
+    for i, p in enumerate(prompts[:6]):
+        run.add(str(i), p)
+    run.drain()
+    eng.pass_log.close()
+    decodes = read_pass_log(tmp_path / "passes.jsonl")
+    prefills = read_pass_log(tmp_path / "passes.jsonl", kind="prefill")
+    assert len(decodes) + len(prefills) == len(read_pass_log(tmp_path / "passes.jsonl", kind=None))
+    assert sum(p["tokens"] for p in prefills) == sum(len(p) for p in prompts[:6])  # every prompt token, once
+    assert all(0 < p["forward_s"] <= p["seconds"] for p in decodes + prefills)
+    # each request's first token comes from its prefill; the decode passes produced at least the rest
+    assert sum(p["tokens"] for p in decodes) >= eng.counters.generation_tokens - 6
+    if name == "plain":
+        assert all(p["width"] == 0 and p["tokens"] == p["batch"] for p in decodes)
+        assert all(p["drafter_s"] == 0 for p in prefills)
+    else:  # the drafters take in each completed prompt inside the prefill pass
+        assert sum(p["drafter_s"] > 0 for p in prefills) >= 1
+        assert all(p["drafter_s"] < p["seconds"] for p in prefills)

@@ -276,3 +276,5 @@ def test_ngram_adaptive_under_load(tiny_dir: Path, tmp_path: Path) -> None:
     assert 0 < sum(p["width"] > 0 for p in passes) <= m["specserve_spec_steps_total"]
     assert all(p["tokens"] == p["batch"] for p in passes if p["width"] == 0)
     assert all(0 < p["forward_s"] <= p["seconds"] for p in passes)
+    prefills = read_pass_log(tmp_path / "trace.jsonl", kind="prefill")  # and a line per prefill pass
+    assert 0 < sum(p["tokens"] for p in prefills) <= m["specserve_prompt_tokens_total"]

@@ -31,6 +31,7 @@ from specserve.train.dflash import (
     dflash_loss,
     position_weights,
     sample_anchors,
+    soft_labels,
 )
 from specserve.train.distributed import Batcher, DistContext
 from specserve.train.eagle3 import (
@@ -188,6 +189,31 @@ def test_dflash_loss_ignores_the_anchor_position() -> None:
     torch.testing.assert_close(base, (ce * weights[0]).sum() / weights.sum())
 
 
+def test_dflash_soft_labels_are_the_target_distribution_of_each_block_token() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 2 * BS, 11, generator=gen)
+    labels = torch.randint(0, 11, (1, 2 * BS), generator=gen)
+    weights = position_weights(BS, 7.0, CPU).repeat(2)[None]
+    one_hot = F.one_hot(labels, 11).float()
+    hard = dflash_loss(logits, labels, weights)
+    torch.testing.assert_close(dflash_loss(logits, labels, weights, one_hot, 1.0), hard)
+    target = torch.softmax(torch.randn(1, 2 * BS, 11, generator=gen), dim=-1)
+    soft = dflash_loss(logits, labels, weights, target, 1.0)
+    expected = -(target * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(soft, (expected * weights).sum() / weights.sum())
+    torch.testing.assert_close(dflash_loss(logits, labels, weights, target, 0.25), 0.75 * hard + 0.25 * soft)
+    # block position k of anchor a takes the target's row a+k-1 (its distribution of token a+k)
+    t_logits = torch.randn(2, 12, 11, generator=gen)
+    anchors = torch.tensor([[2, 6], [0, 9]])
+    got = soft_labels(t_logits, anchors, BS)  # [2, 2*BS, 11]
+    probs = torch.softmax(t_logits, dim=-1)
+    torch.testing.assert_close(got[0, BS + 2], probs[0, 6 + 2 - 1])
+    torch.testing.assert_close(got[1, 1], probs[1, 0])
+    torch.testing.assert_close(got[1, BS + 3], probs[1, 11])  # past the sequence: clamped (weight 0 there)
+    with pytest.raises(ValueError, match="--soft-label-weight"):
+        DFlashTrainConfig(soft_label_weight=1.5)
+
+
 @torch.no_grad()
 def test_training_blocks_equal_drafting(target: CausalLM, dflash: DFlashDraftModel) -> None:
     seq = torch.randint(4, TINY_VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
@@ -232,6 +258,19 @@ def test_dflash_steps_lower_the_loss(target: CausalLM, tiny_dir: Path) -> None:
     batch = _examples(3, 24, 6)
     obj = build_dflash(target, tiny_dir, DFlashTrainConfig(block_size=BS, anchors_per_seq=6, num_layers=1))
     assert obj.drafter.config.mask_token_id == 3  # the tokenizer's <|mask|>
+    losses = _fit(obj, batch, 8, 3e-3)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_dflash_distillation_steps_lower_the_loss(target: CausalLM, tiny_dir: Path) -> None:
+    batch = _examples(3, 24, 6)
+    obj = build_dflash(target, tiny_dir, DFlashTrainConfig(block_size=BS, anchors_per_seq=6, num_layers=1,
+                                                           soft_label_weight=1.0))
+    first = obj.loss(batch, step_generator(0, 0, 0)).loss.item()
+    with torch.no_grad():  # the soft-label objective is another number than the hard one on the same batch
+        hard = build_dflash(target, tiny_dir, DFlashTrainConfig(block_size=BS, anchors_per_seq=6, num_layers=1))
+        hard.drafter.load_state_dict(obj.drafter.state_dict())
+        assert abs(hard.loss(batch, step_generator(0, 0, 0)).loss.item() - first) > 1e-3
     losses = _fit(obj, batch, 8, 3e-3)
     assert losses[-1] < 0.8 * losses[0], losses
 

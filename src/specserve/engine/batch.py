@@ -171,11 +171,16 @@ class BatchEngine:
         return slots[:length]
 
     def _run_prefills(self, plan: BatchPlan) -> list[StepOutput]:
+        t0, f0, d0 = time.perf_counter(), self.counters.forward_s, self.counters.prefill_drafter_s
         rows = [self._prefill_row(c) for c in plan.prefills]
         results = self._forward(rows)
         outs: list[StepOutput] = []
         for chunk, res in zip(plan.prefills, results, strict=True):
             outs += self._finish_prefill(chunk, res)
+        if self.pass_log is not None:
+            c = self.counters
+            self.pass_log.write_prefill(len(rows), sum(len(r.token_ids) for r in rows), time.perf_counter() - t0,
+                                        c.forward_s - f0, c.prefill_drafter_s - d0)
         return outs
 
     def _prefill_row(self, c: PrefillChunk) -> Row:
@@ -197,8 +202,10 @@ class BatchEngine:
             max_len = seq.num_tokens + req.checker.limit + self.drafters.max_tree_nodes + 2
             req.drafter = self.drafters.for_request(req.params, req.generator, max_len)
             # every position's captured states, those of a cached prefix included: [T, n*H]
+            t0 = time.perf_counter()
             hidden = self.kv.features[self._context(seq, seq.num_tokens)] if self.kv.features is not None else None
             req.drafter.prefill(seq.token_ids[: seq.num_tokens], hidden)
+            self.counters.prefill_drafter_s += time.perf_counter() - t0
         return self._commit(req, chunk.num_tokens, [token])
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:

@@ -53,3 +53,4 @@ class EngineCounters:
     finished: dict[str, int] = field(default_factory=dict)
     step_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which target forwards (the rest is host work: scheduling, drafting, verifying)
+    prefill_drafter_s: float = 0.0  # of which drafters taking in completed prompts

@@ -113,7 +113,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-adaptive-profile", default=None,
                    help="JSON cost profile to reuse (measured and written there when missing or stale)")
     s.add_argument("--speculative-adaptive-trace", default=None, metavar="FILE",
-                   help="append a JSON line per decode pass (batch, draft width, tokens, seconds) to FILE")
+                   help="append a JSON line per engine pass to FILE (decode: batch, draft width, tokens, seconds; "
+                        "prefill: prompt tokens, seconds); with or without speculation")
 
 
 class _Default:

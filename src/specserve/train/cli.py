@@ -68,7 +68,8 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
         ids = tuple(a.target_layer_ids) if a.target_layer_ids else None
         objective = build_dflash(target, target_dir, DFlashTrainConfig(
             block_size=a.block_size, anchors_per_seq=a.anchors_per_seq, gamma=a.gamma, num_layers=a.num_layers,
-            target_layer_ids=ids, mask_token_id=a.mask_token_id, init_from=a.init_from, seed=a.seed))
+            target_layer_ids=ids, mask_token_id=a.mask_token_id, init_from=a.init_from, seed=a.seed,
+            soft_label_weight=a.soft_label_weight))
     evaluate = None
     if cfg.eval_every:
         ref = Path(a.reference_draft) if a.reference_draft else None
@@ -171,6 +172,8 @@ def add_train_parsers(subparsers: Any) -> None:
     d.add_argument("--num-layers", type=int, default=2)
     d.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="target layers whose output to tap")
     d.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>")
+    d.add_argument("--soft-label-weight", type=float, default=0.0,
+                   help="weight a of distillation: loss = (1-a) CE(data token) + a CE(target distribution)")
     d.set_defaults(func=_train("dflash"))
 
     x = subparsers.add_parser("export", help="write a drafter as a HF directory SGLang / vLLM / DFlash load")

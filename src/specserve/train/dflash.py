@@ -6,6 +6,11 @@ positions a .. a+bs-1, sees the target's context at positions < a (its tapped st
 itself bidirectionally, never the other blocks (`DFlashDraftModel.train_blocks`). Block position k >= 1
 predicts token a+k through the target's own LM head; cross-entropy weighted exp(-(k-1)/gamma), gamma = 7,
 over positions inside the sequence. This is the drafting of `spec/dflash.py` with the anchor as the root.
+
+With `soft_label_weight` = a > 0 the label of block position k is also the target's own distribution over token
+a+k (its next-token distribution at position a+k-1, computed in the same target forward): loss = (1-a) x hard CE
++ a x soft CE, the soft term being distillation as EAGLE-3 trains (it sees the whole distribution, which is what
+sampled verification accepts against, not one sample of it).
 """
 
 from __future__ import annotations
@@ -40,8 +45,11 @@ class DFlashTrainConfig:
     mask_token_id: int | None = None  # default: the target tokenizer's <|mask|>
     init_from: str | None = None
     seed: int = 0
+    soft_label_weight: float = 0.0  # 0: hard labels only (DFlash's recipe); 1: distillation only
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.soft_label_weight <= 1.0:
+            raise ValueError(f"--soft-label-weight must be in [0, 1], got {self.soft_label_weight}")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"--block-size must be at least 2, got {self.block_size}")
         if self.anchors_per_seq < 1 or self.num_layers < 1:
@@ -86,10 +94,25 @@ def block_batch(ids: torch.Tensor, lens: torch.Tensor, anchors: torch.Tensor, ok
     return inputs.flatten(1), labels, weights.flatten(1)
 
 
-def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [B, Q, V], labels/weights [B, Q] -> sum(w * CE) / sum(w)."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(weights)
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                soft: torch.Tensor | None = None, soft_weight: float = 0.0) -> torch.Tensor:
+    """logits [B, Q, V], labels/weights [B, Q], soft [B, Q, V] (target probabilities, rows summing to 1)
+    -> sum(w * ((1-a) CE(labels) + a CE(soft))) / sum(w), a = soft_weight."""
+    logp = F.log_softmax(logits.float(), dim=-1)  # [B, Q, V]
+    ce = -logp.gather(-1, labels[..., None])[..., 0]  # [B, Q]
+    if soft is not None and soft_weight > 0:
+        ce = (1.0 - soft_weight) * ce - soft_weight * (soft * logp).sum(dim=-1)
     return (ce * weights).sum() / weights.sum().clamp(min=1e-9)
+
+
+def soft_labels(target_logits: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """target_logits [B, T, V] (position j: distribution of token j+1) -> [B, N*bs, V]: for block position k of
+    anchor a, the target's distribution of token a+k (rows past the sequence are clamped; their weight is 0)."""
+    t = target_logits.shape[1]
+    pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # [B, N, bs]
+    src = (pos - 1).clamp(min=0, max=t - 1).flatten(1)  # [B, N*bs]
+    rows = torch.arange(target_logits.shape[0], device=anchors.device)[:, None]
+    return torch.softmax(target_logits.float(), dim=-1)[rows, src]
 
 
 def block_streak(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int) -> float:
@@ -120,13 +143,15 @@ class DFlashObjective(Objective):
         t0 = time.perf_counter()
         with torch.no_grad():
             positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            out = self.target(ids, positions, capture=dcfg.capture, compute_logits=False)
+            soft = self.cfg.soft_label_weight > 0
+            out = self.target(ids, positions, capture=dcfg.capture, compute_logits=soft)
             features = torch.cat(out.captured, dim=-1)  # [B, T, n*H]
+            target_p = soft_labels(out.logits, anchors, self.block_size) if out.logits is not None else None
         sync(self.device)
         target_s = time.perf_counter() - t0
         noise = self.target.embed(inputs)  # [B, N*bs, H] (frozen: the target's embedding)
         logits = self.drafter.train_blocks(features, noise, anchors, self.target.logits)  # [B, N*bs, V]
-        loss = dflash_loss(logits, labels, weights)
+        loss = dflash_loss(logits, labels, weights, target_p, self.cfg.soft_label_weight)
         with torch.no_grad():
             streak = block_streak(logits, labels, weights, self.block_size)
         return StepLoss(loss, int(lens.sum()), target_s, {"block_streak": streak})
