@@ -31,10 +31,10 @@ def stretches(passes: list[dict[str, float]], gap: float) -> list[list[dict[str,
     out: list[list[dict[str, float]]] = []
     last_end = None
     for p in passes:
-        if last_end is None or p["t"] - last_end > gap:
+        if last_end is None or p["t"] - p["seconds"] - last_end > gap:  # "t" is the pass's end
             out.append([])
         out[-1].append(p)
-        last_end = p["t"] + p["seconds"]
+        last_end = p["t"]
     return out
 
 
@@ -46,7 +46,7 @@ def _rate(ps: list[dict[str, float]]) -> float | None:
 def summarize(stretch: list[dict[str, float]]) -> dict[str, Any]:
     decodes = [p for p in stretch if p.get("kind", "decode") == "decode"]
     prefills = [p for p in stretch if p.get("kind") == "prefill"]
-    wall = stretch[-1]["t"] + stretch[-1]["seconds"] - stretch[0]["t"]
+    wall = stretch[-1]["t"] - (stretch[0]["t"] - stretch[0]["seconds"])
     decode_s, prefill_s = sum(p["seconds"] for p in decodes), sum(p["seconds"] for p in prefills)
     budget = {"wall_s": round(wall, 3), "tokens": int(sum(p["tokens"] for p in decodes)),
               "decode_s": round(decode_s, 3), "prefill_s": round(prefill_s, 3),

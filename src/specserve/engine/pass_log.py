@@ -1,10 +1,11 @@
-"""A JSON-lines log of decode passes (`specserve serve --speculative-adaptive-trace FILE`): per step, what
+"""A JSON-lines log of engine passes (`specserve serve --speculative-adaptive-trace FILE`): per step, what
 adaptive speculation chose and what it got, so a served run's choices can be checked after the fact.
 
-One line per decode pass: {"t": seconds since the log opened, "batch": running requests, "width": draft
-tokens verified per request (0 = plain decoding), "tokens": tokens the pass produced (before stop conditions),
-"seconds": the pass's wall time (drafting, forward, verification), "forward_s": of which the target forward,
-"catch_up": some drafter absorbed more than a round's tokens (not measured by the policy), "kind": "decode"}.
+One line per decode pass: {"t": seconds since the log opened, at the pass's end, "batch": running requests,
+"width": draft tokens verified per request (0 = plain decoding), "tokens": tokens the pass produced (before
+stop conditions), "seconds": the pass's wall time (drafting, forward, verification), "forward_s": of which the
+target forward, "catch_up": some drafter absorbed more than a round's tokens (not measured by the policy),
+"kind": "decode"}.
 
 One line per prefill pass (chunks of prompts, in steps of their own or before a step's decode pass):
 {"t", "kind": "prefill", "batch": prompt chunks, "tokens": prompt tokens computed, "seconds": the pass's wall

@@ -19,6 +19,7 @@ from itertools import pairwise
 
 import torch
 
+from specserve.layers.sampling import sample
 from specserve.spec.tree import DraftTree
 
 
@@ -54,7 +55,7 @@ def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, generator: torch
     if tree.draft_probs is None:
         # One draw per node up front: each is used at most once, and only on the path the draws themselves
         # select, so the emitted tokens are distributed as sequential sampling; a single host sync.
-        picks = torch.multinomial(target_probs.float(), 1, generator=generator).squeeze(-1)  # [N+1]
+        picks = sample(target_probs, generator)  # [N+1]
         tokens, parents, picks_l = _to_host(tree.tokens, tree.parents, picks)
         return _descend(tokens, parents, picks_l)
     if tree.draft_probs.shape != target_probs.shape:
@@ -106,7 +107,7 @@ def _verify_rejection(tree: DraftTree, target_probs: torch.Tensor, draft_probs: 
         accept[child_t] = u.index_select(0, child_t) * q_c.gather(1, x).squeeze(1) < cur.gather(1, x).squeeze(1)
         residual[rows_t] = _residual(cur, q_c)
     # Bonus of each node: from its residual after all its children (leaves: from p itself).
-    bonus = torch.multinomial(p.index_copy(0, internal_t, residual), 1, generator=generator).squeeze(-1)  # [N+1]
+    bonus = sample(p.index_copy(0, internal_t, residual), generator)  # [N+1]
     accept_l, bonus_l = _to_host(accept.long(), bonus)
 
     accepted: list[int] = []
