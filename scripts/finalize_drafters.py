@@ -72,6 +72,10 @@ PROMPT_SETS = {  # how each bundled-corpus prompts file was cut (python -m specs
     "cont_prompts3.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
                            "--count 2500 --seed 2 --exclude runs/drafters/cont_prompts.jsonl "
                            "runs/drafters/cont_prompts2.jsonl`)",
+    "cont_prompts4.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
+                           "--count 2500 --seed 4 --exclude runs/drafters/cont_prompts.jsonl "
+                           "runs/drafters/cont_prompts2.jsonl runs/drafters/cont_prompts3.jsonl "
+                           "runs/drafters/val_prompts.jsonl`)",
 }
 
 
