@@ -13,7 +13,9 @@ code (one process, plain and speculative side by side):
   coding10, greedy, 128 new tokens, with the loop measure (inflated by the demo target's loops)
 With --dflash-calibrate-suite (training-split prompts, e.g. `python -m specserve.train.prompts --kind
 continuations --count 64 --seed 11 --exclude <the training prompt files>`), the exported DFlash drafter's DDTree
-temperature is picked on them first (`specserve train calibrate ... --write`), before anything is measured.
+temperature is picked on them first (`specserve train calibrate ... --write`), and with
+--dflash-calibrate-temperature T its draft sampling temperature on the same prompts sampled at T, before
+anything is measured. The sampled view is measured at seeds 0, 1 and 2 (the card gives all three and their mean).
 Writes MODEL_CARD.md (data, steps, tokens/s, time split, final loss, calibration, the figures and their
 commands) and acceptance.json beside the weights.
 """
@@ -32,7 +34,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.loader import ASSETS
 from specserve.spec.factory import drafter_block_size
-from specserve.train.calibrate import CalibrateConfig, calibrate_tree_temperature
+from specserve.train.calibrate import GREEDY_GRID, SAMPLED_GRID, CalibrateConfig, calibrate_tree_temperature
 from specserve.train.export import ExportConfig, export, run_tokens_per_s
 from specserve.types import SamplingParams
 
@@ -41,6 +43,7 @@ VIEWS = (
     ("coding10, temperature 0.7, 128 tokens", "coding10", 0.7, 128),
     ("coding10, greedy, 128 tokens (loops inflate it)", "coding10", 0.0, 128),
 )
+SEEDS = (0, 1, 2)
 GOALS = {"EAGLE3": {"heldout-code": 3.0, "coding10@0.7": 2.2}, "DFLASH": {"heldout-code": 4.0, "coding10@0.7": 2.8}}
 
 
@@ -59,7 +62,14 @@ def measure(algorithm: str, draft_dir: Path) -> list[dict[str, Any]]:
         goal = GOALS[algorithm].get(suite if temperature == 0 and suite == "heldout-code" else f"{suite}@{temperature}")
         cmd = (f"specserve bench acceptance --model demo --speculative-algorithm {algorithm} --suite {suite} "
                f"--max-new-tokens {new} --temperature {temperature}" + (" --seed 0" if temperature else ""))
-        rows.append({"view": label, "command": cmd, "goal": goal, **res["summary"]})
+        row = {"view": label, "command": cmd, "goal": goal, **res["summary"]}
+        if temperature:  # a sampled view moves with the seed: seeds 1 and 2 beside seed 0 (the command's)
+            by_seed = [row["accept_length"]] + [
+                run_acceptance(llm, load_suite(suite), replace(params, seed=s))["summary"]["accept_length"]
+                for s in SEEDS[1:]]
+            row |= {"accept_length_by_seed": dict(zip(map(str, SEEDS), by_seed, strict=True)),
+                    "accept_length_mean_of_seeds": round(sum(by_seed) / len(by_seed), 4)}
+        rows.append(row)
     return rows
 
 
@@ -92,7 +102,7 @@ def data_line(data_dir: Path, meta: dict[str, Any]) -> str:
 
 
 def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[tuple[Path, dict[str, Any]]],
-         rows: list[dict[str, Any]], spec: SpeculativeConfig, calibration: dict[str, Any] | None = None,
+         rows: list[dict[str, Any]], spec: SpeculativeConfig, calibration: list[dict[str, Any]] | None = None,
          calibration_prompts: str | None = None) -> str:
     """stages: (run directory, its training command) in order; a later stage starts from the one before
     (`--init-from`). data: (prepared directory, its meta.json) of every data set the stages used."""
@@ -122,13 +132,18 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[t
         f"- In all: {steps} steps, {tokens} tokens seen; then `python scripts/finalize_drafters.py` (bf16 export, "
         "checked to load back with identical outputs).",
     ]
-    if calibration is not None:
-        c = calibration
+    for c in calibration or []:
         grid = ", ".join(f"{t} → {a:.2f}" for t, a in c["accept_length"].items())
+        if c.get("field", "tree_temperature") == "tree_temperature":
+            what, flags, how = "DDTree temperature", "", "greedy accept length"
+        else:
+            what = "Draft sampling temperature (× the request's)"
+            flags = f" --temperature {c['temperature']} --seeds {c['seeds']}"
+            how = f"accept length sampled at temperature {c['temperature']} (mean of seeds 0–{c['seeds'] - 1})"
         lines.append(
-            f"- DDTree temperature {c['best']} (`dflash_config.tree_temperature`): `specserve train calibrate "
-            f"--drafter src/specserve/assets/models/demo-{kind} --suite {c['suite']} --write` measured greedy "
-            f"accept length, {c['max_new_tokens']} tokens, budget {c['ddtree_budget']}, on {c['prompts']} "
+            f"- {what} {c['best']} (`dflash_config.{c.get('field', 'tree_temperature')}`): `specserve train "
+            f"calibrate --drafter src/specserve/assets/models/demo-{kind} --suite {c['suite']}{flags} --write` "
+            f"measured {how}, {c['max_new_tokens']} tokens, budget {c['ddtree_budget']}, on {c['prompts']} "
             f"validation contexts of the training split ({grid})"
             + (f"; the contexts: `{calibration_prompts}`" if calibration_prompts else "") + ".")
     lines += [
@@ -140,7 +155,10 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[t
     ]
     for r in rows:
         goal = "" if r["goal"] is None else f"≥ {r['goal']}"
-        lines.append(f"| {r['view']} | {r['accept_length']:.2f} | {goal} | {r['speedup']:.2f}× | "
+        seeds = r.get("accept_length_by_seed")
+        spread = "" if not seeds else (f" (seeds {'/'.join(seeds)}: {'/'.join(f'{a:.2f}' for a in seeds.values())}, "
+                                       f"mean {r['accept_length_mean_of_seeds']:.2f})")
+        lines.append(f"| {r['view']} | {r['accept_length']:.2f}{spread} | {goal} | {r['speedup']:.2f}× | "
                      f"{r['loop_4gram']:.2f} | {r.get('identical_to_plain', '(sampled)')} | `{r['command']}` |")
     lines += ["", "Measured by `python scripts/finalize_drafters.py` on the bundled bf16 files; `acceptance.json` "
               "holds the full results.", ""]
@@ -160,6 +178,9 @@ def main() -> None:
     ap.add_argument("--dflash-command", action="append", default=None)
     ap.add_argument("--dflash-calibrate-suite", default=None,
                     help="training-split prompts (JSONL) to pick the DFlash drafter's DDTree temperature on")
+    ap.add_argument("--dflash-calibrate-temperature", type=float, default=None,
+                    help="also calibrate the DFlash drafter's draft sampling temperature on --dflash-calibrate-suite "
+                         "sampled at this temperature")
     ap.add_argument("--dflash-calibrate-prompts-command", default=None,
                     help="the command that wrote --dflash-calibrate-suite (for the card)")
     a = ap.parse_args()
@@ -174,19 +195,22 @@ def main() -> None:
         run = runs[-1]
         dest = ASSETS / f"demo-{kind}"
         export(ExportConfig(drafter=run, target="demo", out=dest, format=fmt, dtype="bfloat16"))
-        calibration = None
+        calibration = []
         if kind == "dflash" and a.dflash_calibrate_suite:
-            calibration = calibrate_tree_temperature(CalibrateConfig(
-                drafter=dest, suite=a.dflash_calibrate_suite, write=True))
-            print(json.dumps({"calibration": calibration}), flush=True)
+            temperatures = [0.0] + ([a.dflash_calibrate_temperature] if a.dflash_calibrate_temperature else [])
+            for t in temperatures:
+                calibration.append(calibrate_tree_temperature(CalibrateConfig(
+                    drafter=dest, suite=a.dflash_calibrate_suite, write=True, temperature=t, seeds=2,
+                    grid=GREEDY_GRID if t == 0 else SAMPLED_GRID)))
+                print(json.dumps({"calibration": calibration[-1]}), flush=True)
         rows = measure(algorithm, dest)
         spec = replace(resolve(algorithm, dest), draft_model_path=dest.name)  # the bundled name, not this path
         (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, list(zip(runs, cmds, strict=True)), data, rows,
                                                  spec, calibration, a.dflash_calibrate_prompts_command))
         readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
         readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))
-        (dest / "acceptance.json").write_text(json.dumps(rows if calibration is None else
-                                                         {"views": rows, "calibration": calibration}, indent=1) + "\n")
+        (dest / "acceptance.json").write_text(json.dumps({"views": rows, "calibration": calibration} if calibration
+                                                         else rows, indent=1) + "\n")
         print(json.dumps({"drafter": str(dest), "views": rows}))
 
 

@@ -37,8 +37,29 @@ def test_calibrate_measures_the_grid_and_writes_the_best(tiny_dir: Path, tmp_pat
     assert (drafter / "model.safetensors").read_bytes() == weights  # the weights are not touched
 
 
+def test_calibrate_sample_temperature_on_sampled_decoding(tiny_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature > 0 calibrates dflash_config.sample_temperature, averaged over --seeds sampled runs; the
+    greedy tree temperature is left alone."""
+    _, cfg, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
+    drafter = tmp_path / "dflash"
+    init_random_dflash(cfg, drafter, seed=3, num_hidden_layers=1)
+    suite = tmp_path / "val.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "for i in range(")))
+    assert main(["train", "calibrate", "--drafter", str(drafter), "--target", str(tiny_dir), "--suite", str(suite),
+                 "--temperature", "0.9", "--seeds", "2", "--grid", "1.0", "1.5", "--max-new-tokens", "8",
+                 "--ddtree-budget", "4", "--write"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["field"], report["temperature"], report["seeds"]) == ("sample_temperature", 0.9, 2)
+    assert set(report["accept_length"]) == {"1.0", "1.5"}
+    written = read_dflash_config(drafter)
+    assert written.sample_temperature == report["best"] and written.tree_temperature == 1.0
+
+
 def test_calibrate_refuses_evaluation_suites_and_bad_grids(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not an evaluation suite"):
         CalibrateConfig(drafter=tmp_path, suite="heldout-code")
     with pytest.raises(ValueError, match="--grid"):
         CalibrateConfig(drafter=tmp_path, suite="val.jsonl", grid=(0.0, 1.0))
+    with pytest.raises(ValueError, match="--seeds"):
+        CalibrateConfig(drafter=tmp_path, suite="val.jsonl", temperature=0.7, seeds=0)

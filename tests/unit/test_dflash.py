@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.engine.plain import generate_plain
+from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
 from specserve.spec.ddtree import build_ddtree
@@ -241,18 +242,17 @@ def test_block_attention_is_bidirectional_and_bounded(draft: DFlashDraftModel, t
     torch.testing.assert_close(d.block_log_probs(7), before)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_propose_chain_and_ddtree(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path,
-                                  temperature: float) -> None:
+def test_propose_chain_and_ddtree(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path) -> None:
+    """Greedy requests: deterministic drafts (argmax chain, the best DDTree)."""
     hidden = torch.randn(4, 128, generator=torch.Generator().manual_seed(6))
-    chain = drafter(draft, target, draft_dir, "chain", n=5, temperature=temperature)
+    chain = drafter(draft, target, draft_dir, "chain", n=5)
     chain.prefill([5, 6, 7, 8], hidden)
     tree = chain.propose(11)
     best = chain.block_log_probs(11).argmax(-1)  # [bs-1]
     assert tree.is_chain and tree.num_nodes == 4 and tree.draft_probs is None
     assert tree.tokens.tolist() == [11, *best[:4].tolist()]
 
-    dd = drafter(draft, target, draft_dir, "ddtree", n=40, temperature=temperature)
+    dd = drafter(draft, target, draft_dir, "ddtree", n=40)
     dd.prefill([5, 6, 7, 8], hidden)
     tree = dd.propose(11)
     assert tree.num_nodes == 40 and tree.draft_probs is None and int(tree.tokens[0]) == 11
@@ -379,3 +379,43 @@ def test_tree_temperature_is_read_written_and_shapes_the_ddtree(draft_dir: Path,
     sharp_chain = drafter(sharp_model, target, draft_dir, "chain", n=5)
     sharp_chain.prefill([5, 6, 7, 8, 9], hidden)
     assert sharp_chain.propose(11).tokens.tolist() == [11, *lp[:4].argmax(-1).tolist()]
+
+
+def test_sampling_requests_draw_their_drafts(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path) -> None:
+    """A sampling request's drafts are drawn from the request's processing of the block laws at
+    dflash_config.sample_temperature, each node carrying its law: a chain one token per depth, a DDTree the
+    shape of the best tree over q with distinct siblings; a seeded generator reproduces them."""
+    hidden = torch.randn(4, 128, generator=torch.Generator().manual_seed(6))
+    params = SamplingParams(temperature=0.8, top_k=20)
+    flat_cfg = replace(draft.config, sample_temperature=1.5)
+    assert DFlashConfig.from_hf(flat_cfg.to_hf()).sample_temperature == 1.5
+    assert "sample_temperature" not in draft.config.to_hf()["dflash_config"]
+    with pytest.raises(ValueError, match="sample_temperature must be > 0"):
+        replace(draft.config, sample_temperature=-1.0)
+    flat = DFlashDraftModel(flat_cfg)
+    flat.load_state_dict(draft.state_dict())
+    for model, scale in ((draft, 1.0), (flat, 1.5)):
+        for tree_kind, n in (("chain", 6), ("ddtree", 24)):
+            trees = []
+            for _ in range(2):
+                gen = torch.Generator().manual_seed(9)
+                d = DFlashDrafter(model, target, spec(draft_dir, tree_kind, n), params, gen, 64)
+                d.prefill([5, 6, 7, 8], hidden)
+                trees.append(d.propose(11))
+            tree = trees[0]
+            assert tree.tokens.tolist() == trees[1].tokens.tolist()  # seeded: reproducible
+            q = target_probs(d.block_log_probs(11) / scale, params)  # [bs-1, V]
+            assert tree.draft_probs is not None and int(tree.tokens[0]) == 11
+            if tree_kind == "chain":
+                assert tree.is_chain and tree.num_nodes == n - 1
+            else:
+                shape = build_ddtree(11, torch.log(q), n)
+                assert tree.parents.tolist() == shape.parents.tolist() and tree.num_nodes == n
+            tok, par = tree.tokens.tolist(), tree.parents.tolist()
+            for i in range(1, len(tok)):
+                earlier = [tok[j] for j in range(1, i) if par[j] == par[i]]
+                assert tok[i] not in earlier  # siblings distinct
+                want = q[int(tree.depths[i]) - 1].clone()
+                want[earlier] = 0.0
+                torch.testing.assert_close(tree.draft_probs[i], want / want.sum())
+                assert tree.draft_probs[i, tok[i]] > 0  # never a token outside the request's top-k

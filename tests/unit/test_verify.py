@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.spec.sampled_tree import draw_tree
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampled
 
@@ -264,3 +265,50 @@ def test_empty_residual_falls_back_to_target() -> None:
     rejected = [r.bonus for r in results if not r.accepted]
     assert 0 < len(rejected) < 300
     assert set(rejected) <= {0, 1}
+
+
+# ---------------------------------------------------------------- sampled trees of a block drafter
+
+
+def test_drawn_tree_siblings_are_distinct_and_record_their_laws() -> None:
+    # root -> 1, 2, 3; 1 -> 4, 5; 4 -> 6
+    shape = DraftTree(tokens=torch.zeros(7, dtype=torch.long), parents=torch.tensor([-1, 0, 0, 0, 1, 1, 4]),
+                      depths=torch.tensor([0, 1, 1, 1, 2, 2, 3]))
+    q = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(1)), -1)  # [D, V]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        tree = draw_tree(shape, q, gen)
+        tok, probs = tree.tokens.tolist(), tree.draft_probs
+        assert probs is not None and tok[0] == 0 and not probs[0].any()
+        assert len({tok[1], tok[2], tok[3]}) == 3 and tok[4] != tok[5]
+        for node, earlier in [(1, []), (2, [1]), (3, [1, 2]), (4, []), (5, [4]), (6, [])]:
+            want = q[int(tree.depths[node]) - 1].clone()
+            want[[tok[e] for e in earlier]] = 0.0
+            torch.testing.assert_close(probs[node], want / want.sum())
+            assert probs[node, tok[node]] > 0
+    with pytest.raises(ValueError, match="earlier siblings"):
+        draw_tree(shape, torch.tensor([[0.5, 0.5, 0, 0, 0], [1.0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0]]), gen)
+
+
+def test_drawn_tree_without_replacement_is_lossless() -> None:
+    """A block drafter's tree (one law per depth, siblings drawn without replacement) verified by recursive
+    rejection emits exactly the target's law."""
+    parents = [-1, 0, 0, 0, 1, 1, 4]
+    p = PathTable(3, seed=50)
+    q = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(51)), -1)  # [D, V]
+    q[1, 0] = 0.0  # a zero-probability token at depth 2
+    q = q / q.sum(-1, keepdim=True)
+    shape = DraftTree(tokens=torch.zeros(len(parents), dtype=torch.long), parents=torch.tensor(parents),
+                      depths=torch.tensor(depths_of(parents)))
+    gen = torch.Generator().manual_seed(52)
+    seqs = []
+    for _ in range(8000):
+        tree = draw_tree(shape, q, gen)
+        tok = tree.tokens.tolist()
+        pid = [p.offsets[0]]
+        for i in range(1, len(tok)):
+            pid.append(int(p.child(torch.tensor(pid[parents[i]]), depths_of(parents)[parents[i]],
+                                   torch.tensor(tok[i]))))
+        seqs.append(emitted(tok, verify_sampled(tree, p.probs[pid], gen)))
+    assert {len(s) for s in seqs} == {1, 2, 3, 4}
+    assert min(pvalues(seqs, p, 4, seed=53)) > ALPHA

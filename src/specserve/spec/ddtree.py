@@ -15,6 +15,7 @@ such predecessor, so pops come out in non-increasing score order. O(budget log b
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -26,9 +27,11 @@ _LOG_PROB_SLACK = 1e-4  # log_softmax can round a little above 0
 def build_ddtree(root: int, log_probs: torch.Tensor, budget: int) -> DraftTree:
     """log_probs [D, V]: row d-1 = log q_d, the drafter's log-distribution of the depth-d token.
 
-    Returns up to `budget` draft nodes (root not counted; fewer only when fewer than `budget` prefixes
-    exist), in pop order so parents precede children, with depth <= D and draft_probs None (deterministic
-    drafts: verify with `verify_greedy` or sample-and-descend `verify_sampled`). Ties pop in push order.
+    Returns up to `budget` draft nodes (root not counted; fewer only when fewer than `budget` prefixes of
+    positive probability exist: a token with log q = -inf is never a node), in pop order so parents precede
+    children, with depth <= D and draft_probs None (deterministic drafts: verify with `verify_greedy` or
+    sample-and-descend `verify_sampled`; or fill the shape by `sampled_tree.draw_tree`). Ties pop in push
+    order.
     """
     if log_probs.dim() != 2 or log_probs.shape[0] < 1:
         raise ValueError(f"log_probs must be [D, V] with D >= 1 (block positions after the root), "
@@ -57,7 +60,7 @@ def build_ddtree(root: int, log_probs: torch.Tensor, budget: int) -> DraftTree:
         tokens.append(ids[d][r])
         parents.append(parent)
         depths.append(d + 1)
-        if r + 1 < k:  # next sibling: same parent, next-ranked token at this depth
+        if r + 1 < k and vals[d][r + 1] > -math.inf:  # next sibling: the next-ranked token (never one of q = 0)
             heapq.heappush(heap, (-(parent_score + vals[d][r + 1]), pushes, d, r + 1, parent, parent_score))
             pushes += 1
         if d + 1 < max_depth:  # first child: best token at the next depth

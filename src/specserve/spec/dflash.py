@@ -10,8 +10,14 @@ token in the target's KV, at that token's position). A round:
       ddtree -> build_ddtree over the bs-1 per-position log-distributions, budget num_draft_tokens.
   accept(tokens, hidden, next_root): queue the accepted tokens' states; the next propose projects and caches
       their context K/V (in one forward, however many rounds ran without speculation in between).
-Drafts are deterministic (argmax / best prefixes) even when the request samples, as in the reference, so
-trees carry draft_probs None and verify by sample-and-descend.
+Greedy requests get deterministic drafts (argmax / best prefixes; draft_probs None, verified by descending
+the target's picks). Sampling requests get *sampled* drafts: q_d = the request's processing (temperature,
+top-k/p) of the drafter's depth-d distribution at `dflash_config.sample_temperature` (a calibration); a chain
+draws one token per depth from q_d, a DDTree keeps the shape of the best tree over q and draws its tokens
+(`sampled_tree.draw_tree`: siblings without replacement; q_d does not depend on the path, as the block is
+drafted in one pass). They verify by recursive rejection (`verify.verify_sampled`, SpecInfer), accepting a
+sibling with min(1, p/q): where the target is uncertain that accepts more than a fixed top-k set covers
+(coding10 at temperature 0.7: see the drafter's card).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
+from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.spec.ddtree import build_ddtree
 from specserve.spec.dflash_checkpoint import check_against_target, dflash_block_size
 from specserve.spec.dflash_model import FLAG, DFlashDraftModel
 from specserve.spec.drafter import Drafter
+from specserve.spec.sampled_tree import draw_tree
 from specserve.spec.tree import DraftTree
 from specserve.types import SamplingParams
 
@@ -34,8 +42,8 @@ from specserve.types import SamplingParams
 class DFlashDrafter(Drafter):
     def __init__(self, draft: DFlashDraftModel, target: CausalLM, spec: SpeculativeConfig,
                  params: SamplingParams, generator: torch.Generator | None, max_len: int) -> None:
-        """`params` and `generator` complete the uniform drafter constructor; DFlash drafts greedily regardless.
-        max_len: the most tokens the target's KV will hold for this request (sizes the context cache)."""
+        """`params` and `generator`: the request's sampling (greedy: deterministic drafts; otherwise drafts drawn
+        with `generator`). max_len: the most tokens the target's KV will hold (sizes the context cache)."""
         cfg = draft.config
         check_against_target(cfg, target.config, f"{FLAG} {spec.draft_model_path}")
         if spec.tree not in ("chain", "ddtree"):
@@ -43,6 +51,7 @@ class DFlashDrafter(Drafter):
         self.block_size = dflash_block_size(spec, cfg)
         self.capture = cfg.capture
         self.draft, self.target, self.spec = draft, target, spec
+        self.params, self.gen = params, generator
         weight = draft.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.cache = KVCache.allocate(cfg.body, 1, max_len, self.device, self.dtype,
@@ -132,10 +141,17 @@ class DFlashDrafter(Drafter):
 
     def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
         n = self._draft_nodes(max_drafts)
+        cfg = self.draft.config
+        if not self.params.greedy:  # drafts drawn from the request's processing of the (calibrated) block laws
+            q = target_probs(log_probs / cfg.sample_temperature, self.params)  # [rows, V]
+            if self.spec.tree == "ddtree":  # the shape of the best tree over q; its tokens are then drawn
+                shape = build_ddtree(root, torch.log(q), n)
+            else:
+                shape = DraftTree.chain(root, [0] * min(n, int(q.shape[0])), device=q.device)
+            return draw_tree(shape, q, self.gen)
         if self.spec.tree == "ddtree":  # a smaller budget builds the best smaller tree, not a cut of the big one
-            tau = self.draft.config.tree_temperature
-            if tau != 1.0:
-                log_probs = torch.log_softmax(log_probs / tau, dim=-1)
+            if cfg.tree_temperature != 1.0:
+                log_probs = torch.log_softmax(log_probs / cfg.tree_temperature, dim=-1)
             return build_ddtree(root, log_probs, n)
         return DraftTree.chain(root, log_probs[:n].argmax(dim=-1))  # drafts [n]
 

@@ -60,10 +60,14 @@ class DFlashConfig:
     # DDTree is built from the block's distributions at this temperature (< 1 sharpens: deeper trees); a
     # calibration of the trained drafter (`specserve train calibrate`), not part of its architecture
     tree_temperature: float = 1.0
+    # For a request that samples at temperature T, drafts are drawn from the block's distributions at
+    # T * sample_temperature (> 1 flattens a drafter surer of itself than the target); also a calibration
+    sample_temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.tree_temperature > 0:
-            raise ValueError(f"dflash_config.tree_temperature must be > 0, got {self.tree_temperature}")
+        for name in ("tree_temperature", "sample_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"dflash_config.{name} must be > 0, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (the root plus one mask), got {self.block_size}")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
@@ -115,7 +119,8 @@ class DFlashConfig:
                 raise ValueError("dflash_config.target_layer_ids and num_target_layers are both missing")
             ids = default_target_layer_ids(int(num_target), body.num_hidden_layers)
         return cls(body, tuple(int(i) for i in ids), int(mask), int(get("block_size") or 16),
-                   None if num_target is None else int(num_target), float(dcfg.get("tree_temperature", 1.0)))
+                   None if num_target is None else int(num_target), float(dcfg.get("tree_temperature", 1.0)),
+                   float(dcfg.get("sample_temperature", 1.0)))
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         b = self.body
@@ -134,8 +139,9 @@ class DFlashConfig:
                               "target_layer_ids": list(self.target_layer_ids)},
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
-        if self.tree_temperature != 1.0:
-            out["dflash_config"]["tree_temperature"] = self.tree_temperature
+        for name in ("tree_temperature", "sample_temperature"):
+            if getattr(self, name) != 1.0:
+                out["dflash_config"][name] = getattr(self, name)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         if b.bos_token_id is not None:

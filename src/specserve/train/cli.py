@@ -101,11 +101,13 @@ def _export(a: argparse.Namespace) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
-    from specserve.train.calibrate import CalibrateConfig, calibrate_tree_temperature
+    from specserve.train.calibrate import GREEDY_GRID, SAMPLED_GRID, CalibrateConfig, calibrate_tree_temperature
 
+    grid = a.grid if a.grid is not None else GREEDY_GRID if a.temperature == 0 else SAMPLED_GRID
     print(json.dumps(calibrate_tree_temperature(CalibrateConfig(
-        drafter=a.drafter, suite=a.suite, grid=tuple(a.grid), target=a.target, num_prompts=a.prompts,
-        max_new_tokens=a.max_new_tokens, ddtree_budget=a.ddtree_budget, write=a.write))))
+        drafter=a.drafter, suite=a.suite, grid=tuple(grid), target=a.target, num_prompts=a.prompts,
+        max_new_tokens=a.max_new_tokens, ddtree_budget=a.ddtree_budget, write=a.write,
+        temperature=a.temperature, seeds=a.seeds))))
     return 0
 
 
@@ -184,11 +186,17 @@ def add_train_parsers(subparsers: Any) -> None:
     x.add_argument("--dtype", default="bfloat16", help="float32 | float16 | bfloat16")
     x.set_defaults(func=_export)
 
-    c = subparsers.add_parser("calibrate", help="pick a DFlash drafter's DDTree temperature on validation prompts")
+    c = subparsers.add_parser("calibrate", help="pick a DFlash drafter's DDTree temperature (greedy) or its draft "
+                              "sampling temperature (--temperature > 0) on validation prompts")
     c.add_argument("--drafter", type=Path, required=True, help="a DFlash drafter directory (config.json + weights)")
     c.add_argument("--suite", required=True, help="JSONL of training-split prompts (not heldout-code / coding10)")
     c.add_argument("--target", default="demo")
-    c.add_argument("--grid", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    c.add_argument("--grid", type=float, nargs="+", default=None,
+                   help="temperatures to try (default: 0.5 ... 1.0 greedy; 1.0 ... 1.6 with --temperature)")
+    c.add_argument("--temperature", type=float, default=0.0,
+                   help="0: calibrate dflash_config.tree_temperature on greedy decoding; > 0: calibrate "
+                        "dflash_config.sample_temperature on decoding sampled at this temperature")
+    c.add_argument("--seeds", type=int, default=2, help="sampled runs averaged per temperature (with --temperature)")
     c.add_argument("--prompts", type=int, default=64, help="prompts of the suite to use")
     c.add_argument("--max-new-tokens", type=int, default=32)
     c.add_argument("--ddtree-budget", type=int, default=16)
