@@ -160,8 +160,7 @@ def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int], rows:
     """`block_log_probs` of B requests in one forward: each block attends to its own context (padded to the
     longest, masked) and itself. -> [B, rows, V] float32."""
     first = drafters[0]
-    for d in drafters:
-        d._flush()
+    _flush_many(drafters)
     b, bs, dev = len(drafters), first.block_size, first.device
     lengths = torch.tensor([d.length for d in drafters], device=dev)  # [B]
     longest = int(lengths.max())
@@ -183,3 +182,29 @@ def _block_log_probs_many(drafters: list[DFlashDrafter], roots: list[int], rows:
     hidden = first.draft(noise, positions, context, mask[:, None, None, :])  # [B, bs, H]
     logits = first.target.logits(hidden[:, 1: 1 + rows])  # [B, rows, V]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _flush_many(drafters: list[DFlashDrafter]) -> None:
+    """Every drafter's queued context in one batched projection (padded to the longest backlog), each row then
+    written into its own cache: after a stretch of plain decoding a whole batch catches up in one forward."""
+    waiting = [d for d in drafters if d._pending]
+    if len(waiting) < 2:
+        for d in waiting:
+            d._flush()
+        return
+    first = waiting[0]
+    rows = [torch.cat(d._pending) if len(d._pending) > 1 else d._pending[0] for d in waiting]  # [T_i, n*H] each
+    longest = max(int(r.shape[0]) for r in rows)
+    features = rows[0].new_zeros(len(rows), longest, rows[0].shape[-1], dtype=first.dtype)  # [B, T, n*H]
+    for i, r in enumerate(rows):
+        features[i, : r.shape[0]] = r
+    lengths = torch.tensor([d.length for d in waiting], device=first.device)  # [B]
+    positions = lengths[:, None] + torch.arange(longest, device=first.device)[None]  # [B, T]
+    kv = first.draft.context_kv(features, positions)  # per layer k, v [B, Hkv, T, D]
+    for i, (d, r) in enumerate(zip(waiting, rows, strict=True)):
+        t = int(r.shape[0])
+        view = d.cache.view(d.length, t, causal=False)
+        for layer, (k, v) in enumerate(kv):
+            view.update(layer, k[i: i + 1, :, :t], v[i: i + 1, :, :t])
+        d.length += t
+        d._pending = []
