@@ -83,10 +83,17 @@ class DFlashDrafter(Drafter):
         """Tokens whose target states the drafter holds: in the context cache or queued for it."""
         return self.length + sum(int(h.shape[0]) for h in self._pending)
 
+    def _take_pending(self) -> torch.Tensor | None:
+        """[T, n*H] the queued states, now no longer queued; None when nothing is queued."""
+        if not self._pending:
+            return None
+        hidden = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        return hidden
+
     def _flush(self) -> None:
-        if self._pending:
-            hidden = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
-            self._pending = []
+        hidden = self._take_pending()
+        if hidden is not None:
             self._append(hidden)
 
     def _append(self, hidden: torch.Tensor) -> None:
@@ -193,12 +200,12 @@ def _flush_many(drafters: list[DFlashDrafter]) -> None:
             d._flush()
         return
     first = waiting[0]
-    rows = [torch.cat(d._pending) if len(d._pending) > 1 else d._pending[0] for d in waiting]  # [T_i, n*H] each
+    lengths = torch.tensor([d.length for d in waiting], device=first.device)  # [B]
+    rows = [r for r in (d._take_pending() for d in waiting) if r is not None]  # [T_i, n*H] each, one per drafter
     longest = max(int(r.shape[0]) for r in rows)
     features = rows[0].new_zeros(len(rows), longest, rows[0].shape[-1], dtype=first.dtype)  # [B, T, n*H]
     for i, r in enumerate(rows):
         features[i, : r.shape[0]] = r
-    lengths = torch.tensor([d.length for d in waiting], device=first.device)  # [B]
     positions = lengths[:, None] + torch.arange(longest, device=first.device)[None]  # [B, T]
     kv = first.draft.context_kv(features, positions)  # per layer k, v [B, Hkv, T, D]
     for i, (d, r) in enumerate(zip(waiting, rows, strict=True)):
@@ -207,4 +214,3 @@ def _flush_many(drafters: list[DFlashDrafter]) -> None:
         for layer, (k, v) in enumerate(kv):
             view.update(layer, k[i: i + 1, :, :t], v[i: i + 1, :, :t])
         d.length += t
-        d._pending = []
