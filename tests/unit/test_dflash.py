@@ -419,3 +419,37 @@ def test_sampling_requests_draw_their_drafts(draft: DFlashDraftModel, target: Ca
                 want[earlier] = 0.0
                 torch.testing.assert_close(tree.draft_probs[i], want / want.sum())
                 assert tree.draft_probs[i, tok[i]] > 0  # never a token outside the request's top-k
+
+
+@pytest.mark.parametrize("tau", [0.05, 50.0])  # sharp: a deep chain-like tree; flat: a wide shallow one
+def test_lm_head_rows_past_the_first_only_for_trees_that_reach_them(draft: DFlashDraftModel, target: CausalLM,
+                                                                   draft_dir: Path, tau: float) -> None:
+    """The tree built from the first LAZY_ROWS rows is kept only when it stays shallower than them, so every
+    DDTree equals the best tree over all the block's rows, alone and batched."""
+    from specserve.spec.dflash import LAZY_ROWS
+
+    model = DFlashDraftModel(replace(draft.config, tree_temperature=tau))
+    model.load_state_dict(draft.state_dict())
+    gen = torch.Generator().manual_seed(12)
+    drafters = [drafter(model, target, draft_dir, "ddtree", n=24) for _ in range(3)]
+    for i, d in enumerate(drafters):
+        d.prefill([5, 6, 7, 8, 9][: 3 + i], torch.randn(3 + i, 128, generator=gen))
+    roots = [11, 12, 13]
+    heads: list[int] = []
+    for d in drafters:
+        orig = d._log_probs
+        d._log_probs = lambda h, orig=orig: (heads.append(int(h.shape[-2])), orig(h))[1]  # type: ignore[method-assign]
+    want = [build_ddtree(r, torch.log_softmax(d.block_log_probs(r) / tau, dim=-1), 24)
+            for d, r in zip(drafters, roots, strict=True)]
+    heads.clear()
+    alone = [d.propose(r) for d, r in zip(drafters, roots, strict=True)]
+    batched = DFlashDrafter.propose_many(drafters, roots, [None] * 3)
+    for w, a, b in zip(want, alone, batched, strict=True):
+        for got in (a, b):
+            assert got.tokens.tolist() == w.tokens.tolist() and got.parents.tolist() == w.parents.tolist()
+    deep = [int(w.depths.max()) >= LAZY_ROWS for w in want]
+    assert all(deep) if tau < 1 else not any(deep)  # both branches exercised
+    if tau > 1:  # shallow trees: the LM head ran over the first rows only
+        assert set(heads) == {LAZY_ROWS}
+    else:  # deep trees: the remaining rows too
+        assert BS - 1 - LAZY_ROWS in heads
