@@ -425,7 +425,8 @@ def test_sampling_requests_draw_their_drafts(draft: DFlashDraftModel, target: Ca
 def test_lm_head_rows_past_the_first_only_for_trees_that_reach_them(draft: DFlashDraftModel, target: CausalLM,
                                                                    draft_dir: Path, tau: float) -> None:
     """The tree built from the first LAZY_ROWS rows is kept only when it stays shallower than them, so every
-    DDTree equals the best tree over all the block's rows, alone and batched."""
+    DDTree equals the best tree over all the block's rows, alone and batched (also a batch where some requests
+    take all rows up front, their last tree having been deep, and others not)."""
     from specserve.spec.dflash import LAZY_ROWS
 
     model = DFlashDraftModel(replace(draft.config, tree_temperature=tau))
@@ -443,6 +444,9 @@ def test_lm_head_rows_past_the_first_only_for_trees_that_reach_them(draft: DFlas
             for d, r in zip(drafters, roots, strict=True)]
     heads.clear()
     alone = [d.propose(r) for d, r in zip(drafters, roots, strict=True)]
+    alone_heads = list(heads)
+    assert all(d._last_deep == (tau < 1) for d in drafters)  # the next round takes all rows up front if deep
+    drafters[0]._last_deep = not drafters[0]._last_deep  # a batch mixing both: an LM-head product of its own
     batched = DFlashDrafter.propose_many(drafters, roots, [None] * 3)
     for w, a, b in zip(want, alone, batched, strict=True):
         for got in (a, b):
@@ -450,6 +454,6 @@ def test_lm_head_rows_past_the_first_only_for_trees_that_reach_them(draft: DFlas
     deep = [int(w.depths.max()) >= LAZY_ROWS for w in want]
     assert all(deep) if tau < 1 else not any(deep)  # both branches exercised
     if tau > 1:  # shallow trees: the LM head ran over the first rows only
-        assert set(heads) == {LAZY_ROWS}
-    else:  # deep trees: the remaining rows too
-        assert BS - 1 - LAZY_ROWS in heads
+        assert alone_heads == [LAZY_ROWS] * 3
+    else:  # deep trees: the remaining rows too, in a second product
+        assert alone_heads == [LAZY_ROWS, BS - 1 - LAZY_ROWS] * 3

@@ -63,6 +63,7 @@ class DFlashDrafter(Drafter):
         self._pending: list[torch.Tensor] = []  # [T_i, n*H] captured states accepted since the last propose
         self._block_ids = torch.full((1, self.block_size), cfg.mask_token_id, dtype=torch.long, device=self.device)
         self._offsets = torch.arange(self.block_size, device=self.device)
+        self._last_deep = False  # the last DDTree reached row LAZY_ROWS (see `lazy_rows`)
 
     def prefill(self, prompt_ids: list[int], hidden: torch.Tensor | None) -> None:
         if hidden is None:
@@ -152,13 +153,16 @@ class DFlashDrafter(Drafter):
         demo, 91% of held-out greedy trees and all coding T 0.7 trees of budget 16 are at most 6 deep), and
         the best tree over the first m rows *is* the best tree over all of them whenever it stays shallower
         than m (a node at depth m + 1 is only ever pushed as the child of a popped node at depth m), so the
-        LM head runs over the other rows only for the trees that reach row m. A chain reads all its rows."""
+        LM head runs over the other rows only for the trees that reach row m. A request whose last tree reached
+        row m (a loop the drafter follows far) gets all rows at once: its next tree likely will too, and a
+        second product would cost more than it saves. A chain reads all its rows."""
         rows = self.rows_needed(max_drafts)
-        return min(rows, LAZY_ROWS) if self.spec.tree == "ddtree" else rows
+        return min(rows, LAZY_ROWS) if self.spec.tree == "ddtree" and not self._last_deep else rows
 
     def _tree_lazily(self, root: int, head: torch.Tensor, rest: torch.Tensor, max_drafts: int | None) -> DraftTree:
         """head [m, V] log-probs of the first rows, rest [r, H] the remaining rows' block outputs."""
         tree = self._tree(root, head, max_drafts)
+        self._last_deep = int(tree.depths.max()) >= min(LAZY_ROWS, head.shape[0])
         if rest.shape[0] == 0 or int(tree.depths.max()) < head.shape[0]:
             return tree
         # (a sampling request's first draw is discarded: whether to redo depends on the shape, not the draws)
@@ -167,7 +171,8 @@ class DFlashDrafter(Drafter):
     @classmethod
     def propose_many(cls, drafters: Sequence[Drafter], roots: list[int],
                      max_drafts: list[int | None]) -> list[DraftTree]:
-        """One batched block forward and one LM-head product for all requests (same drafter model)."""
+        """One batched block forward for all requests (same drafter model), the LM head batched over the rows
+        every request needs up front and, for the requests that need more (`lazy_rows`), over theirs."""
         group = [d for d in drafters if isinstance(d, DFlashDrafter)]
         if (len(group) < 2 or len(group) != len(drafters)
                 or any(d.draft is not group[0].draft or d.block_size != group[0].block_size for d in group)):
@@ -175,9 +180,16 @@ class DFlashDrafter(Drafter):
         rows = [d.rows_needed(m) for d, m in zip(group, max_drafts, strict=True)]
         first = [d.lazy_rows(m) for d, m in zip(group, max_drafts, strict=True)]
         hidden = _block_hidden_many(group, roots)  # [B, bs-1, H]
-        head = group[0]._log_probs(hidden[:, : max(first)])  # [B, m, V]: one LM-head product for all
-        return [d._tree_lazily(r, head[i, :f], hidden[i, f:n], m)
-                for i, (d, r, m, f, n) in enumerate(zip(group, roots, max_drafts, first, rows, strict=True))]
+        lo, hi = min(first), max(first)
+        head = group[0]._log_probs(hidden[:, :lo])  # [B, lo, V]
+        more = [i for i, f in enumerate(first) if f > lo]
+        extra = group[0]._log_probs(hidden[more, lo:hi]) if more else None  # [E, hi-lo, V]
+        heads = [head[i] for i in range(len(group))]
+        for j, i in enumerate(more):
+            assert extra is not None
+            heads[i] = torch.cat((head[i], extra[j, : first[i] - lo]))  # [first_i, V]
+        return [d._tree_lazily(r, h, hidden[i, f:n], m)
+                for i, (d, r, m, h, f, n) in enumerate(zip(group, roots, max_drafts, heads, first, rows, strict=True))]
 
     def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
         n = self._draft_nodes(max_drafts)
