@@ -162,8 +162,9 @@ class DFlashDrafter(Drafter):
     def _tree_lazily(self, root: int, head: torch.Tensor, rest: torch.Tensor, max_drafts: int | None) -> DraftTree:
         """head [m, V] log-probs of the first rows, rest [r, H] the remaining rows' block outputs."""
         tree = self._tree(root, head, max_drafts)
-        self._last_deep = int(tree.depths.max()) >= min(LAZY_ROWS, head.shape[0])
-        if rest.shape[0] == 0 or int(tree.depths.max()) < head.shape[0]:
+        depth, m = int(tree.depths.max()), int(head.shape[0])
+        self._last_deep = depth >= min(LAZY_ROWS, m)
+        if rest.shape[0] == 0 or depth < m:
             return tree
         # (a sampling request's first draw is discarded: whether to redo depends on the shape, not the draws)
         return self._tree(root, torch.cat((head, self._log_probs(rest))), max_drafts)
