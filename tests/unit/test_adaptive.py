@@ -512,3 +512,44 @@ def test_one_held_up_pass_counts_as_a_few_average_ones() -> None:
     d = PASS_DECAY
     old = sum(d**i for i in range(1, MIN_PASSES + 1))
     assert policy.realized(2, 0) == pytest.approx((10 * old + 10) / (old + OUTLIER))
+
+
+def test_host_cost_of_a_first_slow_pass_does_not_stick() -> None:
+    """The first passes of a new shape can pay one-time costs (kernel compilation): the estimate is the
+    fastest of the first MIN_PASSES passes, then an average where one pass counts at most OUTLIER times it."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
+    policy.record_draft(0.020, batch=4)  # a first pass that compiled kernels
+    policy.record_draft(0.006, batch=4)
+    assert policy.draft_seconds(4, batch=4) == 0.006
+    for _ in range(MIN_PASSES):
+        policy.record_draft(0.006, batch=4)
+    policy.record_draft(1.0, batch=4)  # held up by something else
+    assert policy.draft_seconds(4, batch=4) == pytest.approx(0.9 * 0.006 + 0.1 * OUTLIER * 0.006)
+
+
+def test_a_bucket_measured_once_is_bounded_by_a_smaller_well_measured_one() -> None:
+    """Drafting is batched, so its cost per request does not grow with the batch: until a bucket has
+    MIN_PASSES passes, a larger estimate than a well-measured smaller bucket's is not believed."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
+    for _ in range(MIN_PASSES):
+        policy.record_draft(0.007, batch=1)
+        policy.record_draft(0.006, batch=2)
+    policy.record_draft(0.030, batch=4)  # one pass, slow
+    policy.record_draft(0.001, batch=16)  # one pass, fast: kept
+    assert policy.draft_seconds(4, batch=3) == 0.006
+    assert policy.draft_seconds(4, batch=16) == 0.001
+    assert policy.draft_seconds(2, batch=4) == 0.006  # a width not measured: the full width's
+    for _ in range(MIN_PASSES - 1):
+        policy.record_draft(0.030, batch=4)
+    assert policy.draft_seconds(4, batch=4) == 0.030  # measured often enough: believed
+
+
+def test_robust_update_keeps_the_fastest_first_samples_then_caps_outliers() -> None:
+    from specserve.engine.adaptive import _robust_update
+
+    est = None
+    for sample in (0.030, 0.010, 0.012):  # catch-up steps: the first compiled kernels
+        est = _robust_update(est, sample, 0.5)
+    assert est == (0.010, MIN_PASSES)
+    assert _robust_update(est, 0.5, 0.5) == (pytest.approx(0.5 * 0.010 + 0.5 * OUTLIER * 0.010), MIN_PASSES + 1)
+    assert _robust_update(est, 0.004, 0.5) == (pytest.approx(0.007), MIN_PASSES + 1)

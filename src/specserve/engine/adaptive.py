@@ -32,6 +32,14 @@ outside tries it happens only where `explore_every` speculating steps save more 
 this batch size (as the batch shrinks at the end of a burst of requests, one long catch-up for a few steps of
 speculation loses).
 
+Host time is measured per batch bucket and width, and the first passes of a new shape can pay one-time costs
+(in bf16 on CPU oneDNN compiles a kernel for every new matrix shape: a first pass at batch 4 took 98 ms where
+later ones took 40 ms). An estimate from one such pass would price speculation out at that batch size, and with
+it the tries that would correct it. So the estimate (of drafting, and of a catch-up step's) is the fastest of
+the first `MIN_PASSES` passes, then an average with each pass capped at `OUTLIER` times it; and until a bucket has `MIN_PASSES` passes its estimate is
+at most that of the largest smaller bucket that has (drafting is batched, its cost per request does not grow
+with the batch).
+
 Exploration keeps the estimates fresh without paying much for it: while plain decoding wins at a batch size, a
 try is made after `explore_every` plain steps, at the width the model prefers (where the measured rates
 overruled it) or the full width (where the model prefers plain decoding, but only if speculation could win at
@@ -90,11 +98,13 @@ class AdaptivePolicy:
         self._on_path = [prior_rounds] * max_width
         self._offered = [prior_rounds] * max_width
         self._refresh_turn = 0  # which other width the next refresh step measures
-        # (batch bucket, width) -> host seconds per request of a speculating step (EMA): drafting, tree masks,
-        # verification, KV compaction, commit — everything but the target forward
-        self._draft_s: dict[tuple[int, int], float] = {}
+        # (batch bucket, width) -> (host seconds per request of a speculating step: drafting, tree masks,
+        # verification, KV compaction, commit — everything but the target forward; passes measured): the
+        # fastest of the first MIN_PASSES passes, then an EMA of passes capped at OUTLIER times it
+        self._draft_s: dict[tuple[int, int], tuple[float, int]] = {}
         self._plain_s = 0.0  # host seconds per request of a plain step (EMA; 0 until one is measured)
-        self._catch_up_s: dict[int, float] = {}  # batch bucket -> host seconds per request of a catch-up step
+        # batch bucket -> (host seconds per request of a catch-up step, passes measured), estimated alike
+        self._catch_up_s: dict[int, tuple[float, int]] = {}
         self._plain_streak: dict[int, int] = {}  # batch bucket -> plain steps since speculation was last tried
         self._explore_gap: dict[int, int] = {}  # batch bucket -> plain steps before the next try (backs off)
         self._model_streak = 0  # speculating steps since the last refresh step (`_refresh`)
@@ -126,12 +136,10 @@ class AdaptivePolicy:
             return
         if self._catch_up:  # the first speculating step after plain ones: drafters catch up on the backlog
             b = _bucket(batch)
-            c = self._catch_up_s.get(b)
-            self._catch_up_s[b] = seconds_per_request if c is None else 0.5 * c + 0.5 * seconds_per_request
+            self._catch_up_s[b] = _robust_update(self._catch_up_s.get(b), seconds_per_request, 0.5)
             return
         key = (_bucket(batch), self.max_width if width is None else width)
-        s = self._draft_s.get(key)
-        self._draft_s[key] = seconds_per_request if s is None else 0.9 * s + 0.1 * seconds_per_request
+        self._draft_s[key] = _robust_update(self._draft_s.get(key), seconds_per_request, 0.1)
 
     def draft_seconds(self, width: int, batch: int = 1) -> float:
         """Host seconds per request of a speculating step of `width` at this batch size; where `width` was not
@@ -139,9 +147,26 @@ class AdaptivePolicy:
         nothing was."""
         b = _bucket(batch)
         if (b, width) in self._draft_s:
-            return self._draft_s[(b, width)]
-        full = self._draft_s.get((b, self.max_width), 0.0)
+            return self._bounded(b, width)
+        if (b, self.max_width) not in self._draft_s:
+            return 0.0
+        full = self._bounded(b, self.max_width)
         return full * (width + 1) / (self.max_width + 1) if self.stepwise else full
+
+    def _bounded(self, bucket: int, width: int) -> float:
+        """The estimate for (bucket, width); while fewer than `MIN_PASSES` passes measured it, at most that of
+        the largest smaller bucket measured `MIN_PASSES` times (drafting is batched: its cost per request does
+        not grow with the batch, so a first pass that paid one-time costs is not taken for this size's cost)."""
+        s, n = self._draft_s[(bucket, width)]
+        if n >= MIN_PASSES:
+            return s
+        smaller = [(b, est) for (b, w), (est, m) in self._draft_s.items()
+                   if w == width and b < bucket and m >= MIN_PASSES]
+        return min(s, max(smaller)[1]) if smaller else s
+
+    def _catch_up_seconds(self, batch: int) -> float:
+        """Host seconds per request of a catch-up step at this batch size (0 until one was measured)."""
+        return self._catch_up_s.get(_bucket(batch), (0.0, 0))[0]
 
     def record_plain(self, seconds_per_request: float) -> None:
         """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
@@ -247,7 +272,7 @@ class AdaptivePolicy:
     def _repays_catch_up(self, batch: int, width: int, scores: list[float]) -> bool:
         """Switching from plain decoding to `width` first pays the drafters' catch-up (measured at this batch
         size): worth it only if `explore_every` steps at `width` save more time than that."""
-        catch_up = max(0.0, self._catch_up_s.get(_bucket(batch), 0.0) - self.draft_seconds(width, batch)) * batch
+        catch_up = max(0.0, self._catch_up_seconds(batch) - self.draft_seconds(width, batch)) * batch
         tokens = self.explore_every * batch * self.expected_tokens(width)
         return tokens / scores[0] - tokens / scores[width] > catch_up
 
@@ -270,7 +295,7 @@ class AdaptivePolicy:
             return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
         spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one step of the try
         plain_s = batch / self.rate(batch, 0)  # one plain step
-        catch_up = max(0.0, self._catch_up_s.get(bucket, 0.0) - self.draft_seconds(w, batch)) * batch
+        catch_up = max(0.0, self._catch_up_seconds(batch) - self.draft_seconds(w, batch)) * batch
         extra = 2 * (spec_s - plain_s) + catch_up  # a try: two steps, the first one catching up
         affordable = extra / (plain_s * self.explore_cost)  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
@@ -280,6 +305,18 @@ class AdaptivePolicy:
 MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
 OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass time of its width and batch size
+
+
+def _robust_update(prev: tuple[float, int] | None, sample: float, weight: float) -> tuple[float, int]:
+    """(estimate, samples) after `sample`: the fastest of the first `MIN_PASSES` samples (the first passes of a
+    shape can pay one-time costs), then a moving average with weight `weight`, each sample capped at `OUTLIER`
+    times the estimate."""
+    if prev is None:
+        return sample, 1
+    est, n = prev
+    if n < MIN_PASSES:
+        return min(est, sample), n + 1
+    return (1 - weight) * est + weight * min(sample, OUTLIER * est), n + 1
 
 
 def _bucket(batch: int) -> int:

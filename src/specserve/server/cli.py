@@ -35,15 +35,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from specserve.engine.batch import BatchEngine
     from specserve.engine.llm import LLM
     from specserve.server.app import create_app
     from specserve.server.batch_serving import BatchServingEngine, build_batch_engine
+    from specserve.server.threads import run_in_passing_thread
 
     cfg = serve_config_from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
-    engine = build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile,
-                                cfg.speculative_adaptive_trace)
+
+    def load() -> tuple[LLM, BatchEngine]:
+        llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
+        return llm, build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile,
+                                       cfg.speculative_adaptive_trace)
+
+    # not on the main thread, which would keep an idle OpenMP team beside the engine thread's (threads.py)
+    llm, engine = run_in_passing_thread(load)
     app = create_app(BatchServingEngine(llm, engine, cfg.max_queue, overlap=cfg.overlap_schedule), cfg)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
