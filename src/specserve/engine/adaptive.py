@@ -36,9 +36,9 @@ Host time is measured per batch bucket and width, and the first passes of a new 
 (in bf16 on CPU oneDNN compiles a kernel for every new matrix shape: a first pass at batch 4 took 98 ms where
 later ones took 40 ms). An estimate from one such pass would price speculation out at that batch size, and with
 it the tries that would correct it. So the estimate (of drafting, and of a catch-up step's) is the fastest of
-the first `MIN_PASSES` passes, then an average with each pass capped at `OUTLIER` times it; and until a bucket has `MIN_PASSES` passes its estimate is
-at most that of the largest smaller bucket that has (drafting is batched, its cost per request does not grow
-with the batch).
+the first `MIN_PASSES` passes, then an average with each pass capped at `OUTLIER` times it; and until a bucket
+has `MIN_PASSES` passes its drafting estimate is at most that of the largest smaller bucket that has (drafting
+is batched, its cost per request does not grow with the batch).
 
 Exploration keeps the estimates fresh without paying much for it: while plain decoding wins at a batch size, a
 try is made after `explore_every` plain steps, at the width the model prefers (where the measured rates
