@@ -553,3 +553,4 @@ def test_robust_update_keeps_the_fastest_first_samples_then_caps_outliers() -> N
     assert est == (0.010, MIN_PASSES)
     assert _robust_update(est, 0.5, 0.5) == (pytest.approx(0.5 * 0.010 + 0.5 * OUTLIER * 0.010), MIN_PASSES + 1)
     assert _robust_update(est, 0.004, 0.5) == (pytest.approx(0.007), MIN_PASSES + 1)
+    assert _robust_update((0.0, MIN_PASSES), 0.02, 0.5) == (pytest.approx(0.01), MIN_PASSES + 1)  # not stuck at 0

@@ -310,13 +310,14 @@ OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass ti
 def _robust_update(prev: tuple[float, int] | None, sample: float, weight: float) -> tuple[float, int]:
     """(estimate, samples) after `sample`: the fastest of the first `MIN_PASSES` samples (the first passes of a
     shape can pay one-time costs), then a moving average with weight `weight`, each sample capped at `OUTLIER`
-    times the estimate."""
+    times a positive estimate."""
     if prev is None:
         return sample, 1
     est, n = prev
     if n < MIN_PASSES:
         return min(est, sample), n + 1
-    return (1 - weight) * est + weight * min(sample, OUTLIER * est), n + 1
+    capped = min(sample, OUTLIER * est) if est > 0 else sample
+    return (1 - weight) * est + weight * capped, n + 1
 
 
 def _bucket(batch: int) -> int:
