@@ -473,8 +473,8 @@ def test_speculation_is_compared_with_plain_decoding_measured_as_recently() -> N
 
 
 def test_stale_rates_are_not_compared() -> None:
-    """A width not measured for 4 x explore_every passes is stale: the model (scaled by the last measured
-    ratio) prices it again; its next pass outweighs the stale ones."""
+    """A width not measured for 4 x explore_every passes is stale: dropped, the model (scaled by the last
+    measured ratio) prices it again until MIN_PASSES fresh passes measured it."""
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=2)
     for _ in range(MIN_PASSES):
         policy.record_pass(2, 4, tokens=10, seconds=1.0)
@@ -484,10 +484,37 @@ def test_stale_rates_are_not_compared() -> None:
     assert policy.realized(2, 4) == pytest.approx(10.0)  # 8 passes old: still compared
     policy.record_pass(2, 0, tokens=5, seconds=1.0)
     assert policy.realized(2, 4) is None and policy.realized(2, 0) == pytest.approx(5.0)
+    for _ in range(MIN_PASSES - 1):
+        policy.record_pass(2, 4, tokens=40, seconds=1.0)
+        assert policy.realized(2, 4) is None  # one or two fresh passes do not revive the stale sums
     policy.record_pass(2, 4, tokens=40, seconds=1.0)
-    d9 = PASS_DECAY**10
-    assert policy.realized(2, 4) == pytest.approx((d9 * 10 * sum(PASS_DECAY**i for i in range(3)) + 40)
-                                                  / (d9 * sum(PASS_DECAY**i for i in range(3)) + 1))
+    assert policy.realized(2, 4) == pytest.approx(40.0)  # the fresh passes alone
+
+
+def test_one_unlucky_pass_after_another_batch_size_does_not_stop_speculation() -> None:
+    """Speculation wins at batch 1 (4 tokens a pass where plain decoding makes 1, passes of equal time), then a
+    long stretch runs at batch 16 (another concurrency level). Back at batch 1 the first measured speculating pass
+    is unlucky (0.5 tokens/s). It must not decide alone (a revived stale rate once sent concurrency 1 to plain
+    decoding for 55-77 passes): the model, corrected by the earlier measured ratio, keeps speculating until
+    MIN_PASSES fresh passes measure it."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=8, explore_cost=10.0)
+    for _ in range(20):
+        policy.record_accept(chain(4), 4)
+    policy.record_draft(0.0, batch=1)
+    policy.record_draft(0.0, batch=16)
+    for _ in range(40):
+        w = policy.choose(1)
+        policy.record_pass(1, w, tokens=4 if w else 1, seconds=1.0)
+    for _ in range(100):
+        w = policy.choose(16)
+        policy.record_pass(16, w, tokens=8 if w else 16, seconds=1.0)
+    picks = []
+    for _ in range(40):
+        w = policy.choose(1)
+        picks.append(w)
+        unlucky = w > 0 and picks.count(w) == 2  # the first speculating pass after the catch-up one
+        policy.record_pass(1, w, tokens=1 if unlucky else (4 if w else 1), seconds=2.0 if unlucky else 1.0)
+    assert picks.count(0) <= 8, picks
 
 
 def test_steps_where_a_drafter_catches_up_are_not_measured() -> None:

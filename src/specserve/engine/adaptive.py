@@ -53,8 +53,11 @@ over every prompt and token committed since the last speculation, which can cost
 Measured rates are decayed sums of tokens (verified, before stop conditions cut a request's last ones) over
 decayed sums of seconds (not averages of per-pass rates), so one lucky pass does not flip the decision. They
 decay with the engine's passes, not with their own updates (`PASS_DECAY` per decode pass of any width or batch
-size), and one not updated for `4 * explore_every` passes is stale: not compared until measured again (that
-pass then outweighs the stale ones). The machine's speed drifts, so speculation measured now is compared with
+size), and one not updated for `4 * explore_every` passes is stale: dropped, and not compared until
+`MIN_PASSES` fresh passes measured it (until then the model, scaled by the last measured ratio, prices it). Were
+the stale sums revived by one pass instead, that pass alone would decide: after a level at another batch size,
+one try accepting a single draft sent the engine back to plain decoding at concurrency 1 for 55-77 passes at a
+time, until the next try. The machine's speed drifts, so speculation measured now is compared with
 plain decoding measured about as recently: plain decoding measured in a slow phase and refreshed once in 32
 speculating steps would otherwise keep a losing width for minutes. A pass slower than `OUTLIER` times the mean
 of its width counts as that (a plain step held up 6x by another process once switched a whole level to a
@@ -180,12 +183,15 @@ class AdaptivePolicy:
             return
         bucket = _bucket(batch)
         t, s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0.0, 0, self._clock))
+        if self._clock - at > self._stale_after:
+            t, s, m, n = 0.0, 0.0, 0.0, 0  # stale: measured afresh, MIN_PASSES passes before it is compared
         if n >= MIN_PASSES:  # a pass slowed by something else (another process, a collection) counts as 3 average
             seconds = min(seconds, OUTLIER * s / m)
         keep = PASS_DECAY ** (self._clock - at)
-        self._realized[(bucket, width)] = (keep * t + tokens, keep * s + seconds, keep * m + 1.0, n + 1, self._clock)
-        plain, spec = self.realized(batch, 0), self.realized(batch, width)
-        if width > 0 and plain is not None and spec is not None:  # back off tries where speculation keeps losing
+        t, s = keep * t + tokens, keep * s + seconds
+        self._realized[(bucket, width)] = (t, s, keep * m + 1.0, n + 1, self._clock)
+        plain, spec = self.realized(batch, 0), t / s  # spec: as measured so far, even by one try's pass
+        if width > 0 and plain is not None:  # back off tries where speculation keeps losing
             gap = self._explore_gap.get(bucket, self.explore_every)
             self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
