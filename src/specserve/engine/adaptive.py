@@ -183,7 +183,7 @@ class AdaptivePolicy:
             return
         bucket = _bucket(batch)
         t, s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0.0, 0, self._clock))
-        if self._clock - at > self._stale_after:
+        if self._stale(at):
             t, s, m, n = 0.0, 0.0, 0.0, 0  # stale: measured afresh, MIN_PASSES passes before it is compared
         if n >= MIN_PASSES:  # a pass slowed by something else (another process, a collection) counts as 3 average
             seconds = min(seconds, OUTLIER * s / m)
@@ -195,12 +195,16 @@ class AdaptivePolicy:
             gap = self._explore_gap.get(bucket, self.explore_every)
             self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
+    def _stale(self, at: int) -> bool:
+        """A measured rate last updated at pass `at` is stale (see the module docstring)."""
+        return self._clock - at > self._stale_after
+
     def realized(self, batch: int, width: int) -> float | None:
         """Output tokens/s measured for decode passes of this width at this batch size (its power-of-two
         bucket); None until `MIN_PASSES` were measured (one pass can be a request's last, cut short), and again
         once the last one is stale (`4 * explore_every` passes old)."""
         sums = self._realized.get((_bucket(batch), width))
-        if sums is None or sums[3] < MIN_PASSES or self._clock - sums[4] > self._stale_after:
+        if sums is None or sums[3] < MIN_PASSES or self._stale(sums[4]):
             return None
         return sums[0] / sums[1]
 
