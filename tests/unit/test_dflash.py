@@ -327,6 +327,23 @@ def test_block_size_and_hidden_checks(draft: DFlashDraftModel, target: CausalLM,
         short.prefill([1, 2], None)
 
 
+def test_outputs_of_the_first_positions_only_are_exact(draft: DFlashDraftModel) -> None:
+    """`outputs=q` cuts the last layer to the first q positions (their queries, projection and MLP); every
+    position stays a key, so those q outputs are the full forward's, with and without a padding mask."""
+    gen = torch.Generator().manual_seed(4)
+    feats, noise = torch.randn(2, 7, 128, generator=gen), torch.randn(2, BS, 64, generator=gen)
+    context = draft.context_kv(feats, torch.arange(7).expand(2, 7))
+    positions = torch.arange(7, 7 + BS).expand(2, BS)
+    keys = torch.arange(7 + BS)[None]
+    mask = ((keys < torch.tensor([[5], [7]])) | (keys >= 7))[:, None, None, :]  # the first row's context is 5
+    for m in (None, mask):
+        full = draft(noise, positions, context, m)  # [2, BS, H]
+        for q in (1, 3, BS - 1, BS):
+            cut = draft(noise, positions, context, m, q)
+            assert cut.shape == (2, q, full.shape[-1])
+            torch.testing.assert_close(cut, full[:, :q], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tree", ["chain", "ddtree"])
 def test_batched_blocks_equal_one_by_one(draft: DFlashDraftModel, target: CausalLM, draft_dir: Path,
                                          tree: str) -> None:

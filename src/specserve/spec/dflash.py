@@ -110,21 +110,27 @@ class DFlashDrafter(Drafter):
     def block_log_probs(self, root: int, rows: int | None = None) -> torch.Tensor:
         """[rows, V] float32 (rows: default bs-1): row i-1 = log-distribution of the token at position P+i (mask i
         of the block). The block forward is the whole block's either way; `rows` saves LM-head products."""
-        return self._log_probs(self._block_hidden(root)[: self._rows(rows)])
+        n = self._rows(rows)
+        return self._log_probs(self._block_hidden(root, n))
 
-    def _block_hidden(self, root: int) -> torch.Tensor:
-        """[bs-1, H]: the block forward's outputs at masks 1..bs-1 (LM-head ready)."""
+    def _block_hidden(self, root: int, rows: int) -> torch.Tensor:
+        """[rows, H]: the block forward's outputs at masks 1..rows (LM-head ready); the block is whole either
+        way, only the last layer's later positions are skipped."""
         self._flush()
         ids = self._block_ids.clone()
         ids[0, 0] = root
         noise = self.target.embed(ids).to(self.dtype)  # [1, bs, H]
         positions = (self._offsets + self.length)[None]  # [1, bs]
-        hidden = self.draft(noise, positions, self.draft.cached_context(self.cache, self.length))  # [1, bs, H]
+        hidden = self.draft(noise, positions, self.draft.cached_context(self.cache, self.length), None,
+                            rows + 1)  # [1, rows+1, H]
         return hidden[0, 1:]
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] block outputs -> log-distributions [..., V] float32 (the target's LM head)."""
-        return torch.log_softmax(self.target.logits(hidden).float(), dim=-1)
+        # as one [N, H] matrix: a strided 3-D slice of the block outputs makes matmul fall back to a batched
+        # product over a broadcast weight, 2-6x slower on CPU
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.log_softmax(self.target.logits(flat).float(), dim=-1).view(*hidden.shape[:-1], -1)
 
     def _rows(self, rows: int | None) -> int:
         return self.block_size - 1 if rows is None else max(1, min(rows, self.block_size - 1))
@@ -143,8 +149,8 @@ class DFlashDrafter(Drafter):
         """The context cache only grows in `accept`; a round without drafts needs nothing."""
 
     def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
-        hidden = self._block_hidden(root)  # [bs-1, H]
         rows = self.rows_needed(max_drafts)
+        hidden = self._block_hidden(root, rows)  # [rows, H]
         first = self.lazy_rows(max_drafts)
         return self._tree_lazily(root, self._log_probs(hidden[:first]), hidden[first:rows], max_drafts)
 
@@ -180,7 +186,7 @@ class DFlashDrafter(Drafter):
             return super().propose_many(drafters, roots, max_drafts)
         rows = [d.rows_needed(m) for d, m in zip(group, max_drafts, strict=True)]
         first = [d.lazy_rows(m) for d, m in zip(group, max_drafts, strict=True)]
-        hidden = _block_hidden_many(group, roots)  # [B, bs-1, H]
+        hidden = _block_hidden_many(group, roots, max(rows))  # [B, max(rows), H]
         lo, hi = min(first), max(first)
         head = group[0]._log_probs(hidden[:, :lo])  # [B, lo, V]
         more = [i for i, f in enumerate(first) if f > lo]
@@ -209,9 +215,9 @@ class DFlashDrafter(Drafter):
         return DraftTree.chain(root, log_probs[:n].argmax(dim=-1))  # drafts [n]
 
 
-def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int]) -> torch.Tensor:
+def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int], rows: int) -> torch.Tensor:
     """`_block_hidden` of B requests in one forward: each block attends to its own context (padded to the
-    longest, masked) and itself. -> [B, bs-1, H]."""
+    longest, masked) and itself. -> [B, rows, H]."""
     first = drafters[0]
     _flush_many(drafters)
     b, bs, dev = len(drafters), first.block_size, first.device
@@ -232,7 +238,7 @@ def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int]) -> torch
         context.append((k, v))
     keys = torch.arange(longest + bs, device=dev)[None]  # [1, C+bs]
     mask = (keys < lengths[:, None]) | (keys >= longest)  # [B, C+bs]: own context, the whole block
-    hidden = first.draft(noise, positions, context, mask[:, None, None, :])  # [B, bs, H]
+    hidden = first.draft(noise, positions, context, mask[:, None, None, :], rows + 1)  # [B, rows+1, H]
     return hidden[:, 1:]
 
 

@@ -172,16 +172,25 @@ class DFlashAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None,
+        ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None, queries: int | None = None,
     ) -> torch.Tensor:
-        """x [B, Q, H] block tokens; ctx_k/ctx_v [B, Hkv, C, D]; mask [B|1, 1, Q, C+Q] or None (all visible)."""
+        """x [B, Q, H] block tokens; ctx_k/ctx_v [B, Hkv, C, D]; mask [B|1, 1, Q, C+Q] or None (all visible).
+        -> [B, q, H] for the first q = `queries` (default Q) tokens; every token is still a key."""
         b, q_len, _ = x.shape
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(self.q_norm(q.view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        nq = q_len if queries is None else queries
+        if nq == q_len:
+            q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        else:  # queries only where outputs are wanted; keys and values for the whole block
+            w, bias = self.qkv_proj.weight, self.qkv_proj.bias
+            q = F.linear(x[:, :nq], w[: self.q_size], None if bias is None else bias[: self.q_size])
+            k, v = F.linear(x, w[self.q_size:], None if bias is None else bias[self.q_size:]).split(self.kv_size, -1)
+            mask = None if mask is None else mask[:, :, :nq]
+        q = apply_rope(self.q_norm(q.view(b, nq, self.n_heads, self.head_dim)).transpose(1, 2),
+                       cos[:, :, :nq], sin[:, :, :nq])
         k = apply_rope(self.k_norm(k.view(b, q_len, self.n_kv, self.head_dim)).transpose(1, 2), cos, sin)
         v = v.view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
         out = attend(q, torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2), mask, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.q_size))  # [B, Q, H]
+        return self.o_proj(out.transpose(1, 2).reshape(b, nq, self.q_size))  # [B, q, H]
 
 
 class DFlashLayer(nn.Module):
@@ -192,9 +201,11 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor | None, queries: int | None = None) -> torch.Tensor:
+        """x [B, Q, H] -> [B, q, H], the first q = `queries` (default Q) positions' outputs."""
+        nq = x.shape[1] if queries is None else queries
+        x = x[:, :nq] + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask, nq)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,13 +227,16 @@ class DFlashDraftModel(nn.Module):
         return [cast(DFlashLayer, layer).self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, noise: torch.Tensor, positions: torch.Tensor, context: ContextKV,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """noise [B, Q, H] block embeddings at positions [B, Q] -> final-normed hidden [B, Q, H] (target LM head
-        ready). mask [B|1, 1, Q, C+Q] bool over (context, block) keys; None = every key visible."""
+                mask: torch.Tensor | None = None, outputs: int | None = None) -> torch.Tensor:
+        """noise [B, Q, H] block embeddings at positions [B, Q] -> final-normed hidden [B, q, H] (target LM head
+        ready) of the first q = `outputs` (default Q) positions. mask [B|1, 1, Q, C+Q] bool over (context,
+        block) keys; None = every key visible. Exact for any q: the last layer still takes every position as a
+        key, and only its queries, output projection and MLP are cut to the positions read."""
         x = noise
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, (k, v) in zip(self.layers, context, strict=True):
-            x = layer(x, cos, sin, k, v, mask)
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, context, strict=True)):
+            x = layer(x, cos, sin, k, v, mask, outputs if i == last else None)
         return self.norm(x)
 
     def append_context(self, cache: KVCache, start: int, features: torch.Tensor, positions: torch.Tensor) -> None:
