@@ -86,6 +86,7 @@ class AdaptivePolicy:
             raise ValueError(f"adaptive speculation: need 1 <= explore_every <= explore_max, got {explore_every}, "
                              f"{explore_max}")
         self.profile = profile
+        self._costs: dict[tuple[int, int], float] = {}  # (batch, q) -> profile.cost: asked for at every step
         self.max_width = max_width
         self.stepwise = stepwise  # drafting runs a step per draft token: a cut width drafts less
         if explore_cost <= 0:
@@ -221,15 +222,26 @@ class AdaptivePolicy:
 
     def rate(self, batch: int, width: int) -> float:
         """Expected output tokens per second of a step of `batch` requests verifying `width` drafts each."""
-        return self.rates(batch)[width]
+        return self._plain_rate(batch) if width == 0 else self.rates(batch)[width]
+
+    def _plain_rate(self, batch: int) -> float:
+        """`rate(batch, 0)` without the other widths' (asked for at every plain step)."""
+        return batch / (self._cost(batch, 1) + self._plain_s * batch)
+
+    def _cost(self, batch: int, q: int) -> float:
+        """`profile.cost(batch, q)`, interpolated once per shape (the profile does not change)."""
+        c = self._costs.get((batch, q))
+        if c is None:
+            c = self._costs[(batch, q)] = self.profile.cost(batch, q)
+        return c
 
     def rates(self, batch: int) -> list[float]:
         """`rate` of every width 0..max_width at this batch size (the model's; one pass over the nodes)."""
         expected = self._expected_all()
-        out = [batch / (self.profile.cost(batch, 1) + self._plain_s * batch)]
+        out = [self._plain_rate(batch)]
         for w in range(1, self.max_width + 1):
             draft = self.draft_seconds(w, batch) * batch
-            out.append(batch * expected[w] / (self.profile.cost(batch, w + 1) + draft))
+            out.append(batch * expected[w] / (self._cost(batch, w + 1) + draft))
         return out
 
     def scores(self, batch: int, model: list[float] | None = None) -> list[float]:
@@ -303,14 +315,15 @@ class AdaptivePolicy:
         streak = self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1
         if streak >= self.explore_max:
             return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
-        spec_s = self.profile.cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one step of the try
-        plain_s = batch / self.rate(batch, 0)  # one plain step
+        spec_s = self._cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one step of the try
+        plain_rate = self._plain_rate(batch)
+        plain_s = batch / plain_rate  # one plain step
         catch_up = max(0.0, self._catch_up_seconds(batch) - self.draft_seconds(w, batch)) * batch
         extra = 2 * (spec_s - plain_s) + catch_up  # a try: two steps, the first one catching up
         affordable = extra / (plain_s * self.explore_cost)  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
             return False
-        return batch * (w + 1) / spec_s > self.rate(batch, 0)  # could win, with every draft accepted
+        return batch * (w + 1) / spec_s > plain_rate  # could win, with every draft accepted
 
 MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
