@@ -2,8 +2,8 @@
 
 The profile times real target forwards through the engine's own runner (paged KV, padded batches) for
 batch sizes 1..max_num_seqs and verify widths 1..max drafts + 1, at a fixed context length. It is keyed
-by everything that changes those times (model config, device, dtype, torch version, threads, block size,
-widths); a saved profile with another key is measured again and overwritten.
+by everything that changes those times (model config, device, dtype, weight layout, torch version, threads,
+block size, widths); a saved profile with another key is measured again and overwritten.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from specserve.engine.batch import BatchEngine
@@ -42,6 +43,9 @@ def profile_key(engine: BatchEngine) -> str:
         "threads": torch.get_num_threads(), "block": engine.config.kv_block_size,
         "max_batch": engine.config.max_num_seqs, "max_draft": engine.max_draft,
         "batch_invariant": engine.config.batch_invariant, "context": PROFILE_CONTEXT,
+        # the projections' storage order (models/layout.py): the same weights multiply at another speed
+        "weight_strides": [list(m.weight.stride()) for m in engine.model.modules()
+                           if isinstance(m, nn.Linear) and m is not engine.model.lm_head][:1],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
