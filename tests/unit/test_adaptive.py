@@ -153,9 +153,9 @@ def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
         policy.record_accept(chain(0), 4)
     policy.record_draft(0.01)
     assert policy.expected_tokens(4) == 1.0
-    # a try speculates two steps: the first catches the drafter up (not measured), the second is measured
-    assert [policy.choose(1) for _ in range(10)] == [0, 0, 0, 4, 4, 0, 0, 0, 4, 4]
-    assert policy.choices == {0: 6, 4: 4}
+    # a try speculates four steps: the first catches the drafter up (not measured), MIN_PASSES = 3 are measured
+    assert [policy.choose(1) for _ in range(14)] == [0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 4, 4, 4, 4]
+    assert policy.choices == {0: 6, 4: 8}
 
 
 def test_chains_and_trees_are_cut_to_the_best_width() -> None:
@@ -331,7 +331,7 @@ def test_no_exploration_where_speculation_cannot_win() -> None:
         policy.record_accept(chain(4), 4)
     policy.record_draft(5.0)
     picks = [policy.choose(1) for _ in range(128)]
-    assert [i for i, w in enumerate(picks) if w > 0] == [63, 64]  # one two-step try
+    assert [i for i, w in enumerate(picks) if w > 0] == [63, 64, 65, 66]  # one four-step try
 
 
 def test_exploration_bounds_are_checked() -> None:
@@ -359,23 +359,23 @@ def test_host_cost_is_kept_per_width() -> None:
 
 
 def test_exploration_stays_within_its_cost_budget() -> None:
-    """A full-width step costs 3x a plain one (steep profile, free drafting): a try (two such steps) after every
-    4 plain steps would spend 100% more time; with a 5% budget the tries come 80 plain steps apart. Once a try's
-    first step is seen to pay a catch-up of 6 plain steps' worth, they come 200 apart."""
+    """A full-width step costs 3x a plain one (steep profile, free drafting): a try (four such steps) after every
+    4 plain steps would spend 200% more time; with a 5% budget the tries come 160 plain steps apart. Once a try's
+    first step is seen to pay a catch-up of 6 plain steps' worth, they come 280 apart."""
     policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, explore_every=4, explore_cost=0.05)
     for _ in range(20):
         policy.record_accept(chain(0), 4)  # nothing accepted: the model picks plain decoding
     policy.record_draft(0.0)
-    picks = [policy.choose(1) for _ in range(170)]
-    assert [i for i, w in enumerate(picks) if w > 0] == [79, 80, 160, 161]  # two-step tries
+    picks = [policy.choose(1) for _ in range(330)]
+    assert [i for i, w in enumerate(picks) if w > 0] == [159, 160, 161, 162, 322, 323, 324, 325]  # four-step tries
     picks = []
-    for _ in range(600):
+    for _ in range(800):
         picks.append(policy.choose(1))
         if picks[-1] > 0:  # the engine reports each speculating step's host time; a try's first one catches up
             policy.record_draft(6.0 if len(picks) < 2 or picks[-2] == 0 else 0.0)
-    # the next try still comes 80 plain steps after the last one (8 of them were above); it pays the catch-up,
-    # and from then on each try is charged 2 x 2 + 6 plain steps' worth: 200 plain steps apart
-    assert [i for i, w in enumerate(picks) if w > 0] == [71, 72, 272, 273, 473, 474]
+    # the next try still comes 160 plain steps after the last one (4 of them were above); it pays the catch-up,
+    # and from then on each try is charged 4 x 2 + 6 plain steps' worth: 280 plain steps apart
+    assert [i for i, w in enumerate(picks) if w > 0] == [155, 156, 157, 158, 438, 439, 440, 441, 721, 722, 723, 724]
     with pytest.raises(ValueError, match="explore_cost"):
         AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_cost=0.0)
 

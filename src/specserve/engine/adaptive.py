@@ -46,7 +46,7 @@ overruled it) or the full width (where the model prefers plain decoding, but onl
 all, with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
 (up to `explore_max` steps; a try where speculation wins resets it). At high concurrency a speculative step
 can cost several plain ones, so the wait is also at least long enough that the tries' extra cost stays
-under `explore_cost` of the time spent decoding plainly. A try's cost counts both of its steps and the
+under `explore_cost` of the time spent decoding plainly. A try's cost counts all of its steps and the
 drafters' catch-up (see below), measured at that batch size: at high concurrency the catch-up runs the drafter
 over every prompt and token committed since the last speculation, which can cost many plain steps.
 
@@ -63,8 +63,12 @@ speculating steps would otherwise keep a losing width for minutes. A pass slower
 of its width counts as that (a plain step held up 6x by another process once switched a whole level to a
 losing width). The first speculating step after plain ones is not measured: drafters catch up then on
 everything the plain steps committed (one forward over the whole stretch), a cost paid once per switch, not
-per step; a try therefore speculates for two steps and measures the second. The catch-up step's host time is
-kept apart (per batch size) and charged to exploration. Nor is a step where some request's drafter absorbs
+per step; a try therefore speculates for `TRY_PASSES` steps and measures all but the first: `MIN_PASSES`
+passes, so its rate can be compared with plain decoding's at once. (With a single measured pass, a try could
+not outlive staleness: after a level at another batch size the measured rates at concurrency 1 were dropped,
+every try left one pass, stale again by the next try, and the model, scaled by an old ratio, kept plain decoding
+for whole levels while the tries' passes ran 1.75x the plain ones.) The catch-up step's host time is kept apart
+(per batch size) and charged to exploration. Nor is a step where some request's drafter absorbs
 more than a round's tokens (a request joining a speculating batch: EAGLE-3 and draft models take in its prompt
 on its first propose; the engine flags it from `Drafter.backlog`): a one-off per request, not the width's cost.
 """
@@ -281,7 +285,7 @@ class AdaptivePolicy:
                 # a try re-measures the width the model prefers, or the full width where it prefers plain
                 if self._explore(batch, modelled or max_width):
                     best = self._try_width = modelled or max_width
-                    self._tries_left = 1
+                    self._tries_left = TRY_PASSES - 1
             else:
                 best = self._refresh(best, modelled)
         if best > 0:
@@ -319,13 +323,14 @@ class AdaptivePolicy:
         plain_rate = self._plain_rate(batch)
         plain_s = batch / plain_rate  # one plain step
         catch_up = max(0.0, self._catch_up_seconds(batch) - self.draft_seconds(w, batch)) * batch
-        extra = 2 * (spec_s - plain_s) + catch_up  # a try: two steps, the first one catching up
+        extra = TRY_PASSES * (spec_s - plain_s) + catch_up  # a try's steps, the first one catching up
         affordable = extra / (plain_s * self.explore_cost)  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
             return False
         return batch * (w + 1) / spec_s > plain_rate  # could win, with every draft accepted
 
 MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
+TRY_PASSES = 1 + MIN_PASSES  # steps of a try: the drafters' catch-up, then enough measured ones to compare
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
 OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass time of its width and batch size
 
