@@ -37,6 +37,8 @@ def profile_grid(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
 def profile_key(engine: BatchEngine) -> str:
     cfg = engine.model.config
     w = engine.model.lm_head.weight
+    proj = next((m for m in engine.model.modules() if isinstance(m, nn.Linear) and m is not engine.model.lm_head),
+                None)
     facts = {
         "model": {k: v for k, v in sorted(vars(cfg).items()) if isinstance(v, int | float | str | bool)},
         "device": str(w.device), "dtype": str(w.dtype), "torch": torch.__version__,
@@ -44,8 +46,7 @@ def profile_key(engine: BatchEngine) -> str:
         "max_batch": engine.config.max_num_seqs, "max_draft": engine.max_draft,
         "batch_invariant": engine.config.batch_invariant, "context": PROFILE_CONTEXT,
         # the projections' storage order (models/layout.py): the same weights multiply at another speed
-        "weight_strides": [list(m.weight.stride()) for m in engine.model.modules()
-                           if isinstance(m, nn.Linear) and m is not engine.model.lm_head][:1],
+        "weight_strides": None if proj is None else list(proj.weight.stride()),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -162,11 +162,16 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
+    def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> k, v [B, T, Hkv*D] before norm and rope: only the k/v rows of qkv_proj."""
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
+        k, v = F.linear(x, self.qkv_proj.weight[self.q_size:], bias).split(self.kv_size, dim=-1)
+        return k, v
+
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [B, C, H] (projected context) -> k, v [B, Hkv, C, D]; only the k/v rows of qkv_proj are used."""
         b, c, _ = ctx.shape
-        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
-        k, v = F.linear(ctx, self.qkv_proj.weight[self.q_size:], bias).split(self.kv_size, dim=-1)
+        k, v = self._kv(ctx)
         k = apply_rope(self.k_norm(k.view(b, c, self.n_kv, self.head_dim)).transpose(1, 2), cos, sin)
         return k, v.view(b, c, self.n_kv, self.head_dim).transpose(1, 2)
 
@@ -181,9 +186,9 @@ class DFlashAttention(nn.Module):
         if nq == q_len:
             q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         else:  # queries only where outputs are wanted; keys and values for the whole block
-            w, bias = self.qkv_proj.weight, self.qkv_proj.bias
-            q = F.linear(x[:, :nq], w[: self.q_size], None if bias is None else bias[: self.q_size])
-            k, v = F.linear(x, w[self.q_size:], None if bias is None else bias[self.q_size:]).split(self.kv_size, -1)
+            bias = self.qkv_proj.bias
+            q = F.linear(x[:, :nq], self.qkv_proj.weight[: self.q_size], None if bias is None else bias[: self.q_size])
+            k, v = self._kv(x)
             mask = None if mask is None else mask[:, :, :nq]
         q = apply_rope(self.q_norm(q.view(b, nq, self.n_heads, self.head_dim)).transpose(1, 2),
                        cos[:, :, :nq], sin[:, :, :nq])
