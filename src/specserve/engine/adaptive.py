@@ -32,6 +32,14 @@ outside tries it happens only where `explore_every` speculating steps save more 
 this batch size (as the batch shrinks at the end of a burst of requests, one long catch-up for a few steps of
 speculation loses).
 
+A plain pass right after a speculating one is not measured: it runs cold (the drafter and the wide verify
+pass left the caches holding their data; served at concurrency 1, EAGLE3's target forward took 4.65 ms after a
+speculating pass against 3.53 ms after a plain one, NGRAM's 5.5 ms against 5.0), a cost paid once per switch.
+Measured, those passes made plain decoding look slower than it runs once it is chosen, and kept losing
+speculation on: NGRAM at temperature 0.7 and concurrency 16 speculated at ~0.8x the plain server. So a refresh
+to plain decoding takes two steps (`REFRESH_PLAIN_PASSES`) and measures the second, and the first plain step
+after a try is not measured either.
+
 Host time is measured per batch bucket and width, and the first passes of a new shape can pay one-time costs
 (in bf16 on CPU oneDNN compiles a kernel for every new matrix shape: a first pass at batch 4 took 98 ms where
 later ones took 40 ms). An estimate from one such pass would price speculation out at that batch size, and with
@@ -119,6 +127,8 @@ class AdaptivePolicy:
         self._last_width = 0  # the previous choice
         self._catch_up = False  # the current step is the first speculating one after plain ones: not measured
         self._tries_left = 0  # further steps of the current try
+        self._plain_left = 0  # further plain steps of the current refresh
+        self._prev_width = 0  # width of the last pass recorded (a plain pass after a speculating one runs cold)
         # decode passes per (batch bucket (power of two), width; 0 = plain): sums of tokens, seconds and passes
         # decayed to the pass clock of the last update, passes measured, that clock
         self._realized: dict[tuple[int, int], tuple[float, float, float, int, int]] = {}
@@ -177,14 +187,18 @@ class AdaptivePolicy:
         return self._catch_up_s.get(_bucket(batch), (0.0, 0))[0]
 
     def record_plain(self, seconds_per_request: float) -> None:
-        """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping)."""
+        """Host time per request of a plain step (sampling, commit, the drafters' bookkeeping); called before
+        that pass's `record_pass`. A plain step right after a speculating one runs cold: not measured."""
+        if self._prev_width > 0:
+            return
         self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
 
     def record_pass(self, batch: int, width: int, tokens: float, seconds: float, catch_up: bool = False) -> None:
         """A decode pass of `batch` requests verifying `width` drafts each (0 = plain decoding; drafting,
         forward, verification) produced `tokens` in `seconds`; `catch_up` as for `record_draft`."""
         self._clock += 1
-        if seconds <= 0 or (width > 0 and (self._catch_up or catch_up)):
+        after_spec, self._prev_width = self._prev_width > 0, width
+        if seconds <= 0 or (width > 0 and (self._catch_up or catch_up)) or (width == 0 and after_spec):
             return
         bucket = _bucket(batch)
         t, s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0.0, 0, self._clock))
@@ -267,7 +281,10 @@ class AdaptivePolicy:
         max_width = self.max_width
         if batch == 0:
             return 0
-        if self._tries_left > 0:
+        if self._plain_left > 0:  # the measured step of a refresh to plain decoding
+            self._plain_left -= 1
+            best = 0
+        elif self._tries_left > 0:
             self._tries_left -= 1
             best = self._try_width
         elif (_bucket(batch), max_width) not in self._draft_s:
@@ -303,15 +320,19 @@ class AdaptivePolicy:
         return tokens / scores[0] - tokens / scores[width] > catch_up
 
     def _refresh(self, best: int, modelled: int) -> int:
-        """Speculating at `best`: one step in `explore_every` goes in turn to plain decoding, the model's width
-        and the full width instead, so that their measured rates (and the deeper nodes' acceptance) stay fresh."""
+        """Speculating at `best`: one step in `explore_every` goes in turn to plain decoding (two steps, the
+        second measured), the model's width and the full width instead, so that their measured rates (and the
+        deeper nodes' acceptance) stay fresh."""
         self._model_streak += 1
         if self._model_streak < self.explore_every:
             return best
         self._model_streak = 0
         others = [w for w in dict.fromkeys((0, modelled, self.max_width)) if w != best]
         self._refresh_turn = (self._refresh_turn + 1) % len(others)
-        return others[self._refresh_turn]
+        width = others[self._refresh_turn]
+        if width == 0:  # the first plain pass after speculation runs cold: measure a second one
+            self._plain_left = REFRESH_PLAIN_PASSES - 1
+        return width
 
     def _explore(self, batch: int, w: int) -> bool:
         """Plain decoding was picked: try width `w` now? (See the module docstring.)"""
@@ -331,6 +352,7 @@ class AdaptivePolicy:
 
 MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
 TRY_PASSES = 1 + MIN_PASSES  # steps of a try: the drafters' catch-up, then enough measured ones to compare
+REFRESH_PLAIN_PASSES = 2  # plain steps of a refresh while speculating: the first runs cold, the second is measured
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
 OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass time of its width and batch size
 
