@@ -4,7 +4,8 @@
     python benchmarks/linear_layout.py --model demo --rows 1,17,32,160 --threads 2
 
 For each distinct projection shape of --model (the fused qkv, o, fused gate/up and down projections, and the
-LM head, which the engine leaves row-major) and each row count (1: a plain decode step of one request; 17: a
+LM head, which the engine keeps in both layouts and reads column-major for `layout.FEW_ROWS` rows: `--rows
+1,2,3,4,8,12,16,17,24,32,64,160,256`) and each row count (1: a plain decode step of one request; 17: a
 DDTree of 16 drafts; 160: 32 requests verifying 4 drafts), the median time of `F.linear` over --repeats
 calls in both layouts, alternated in --blocks blocks so that a drift of the machine's speed hits both alike,
 and whether the two results agree (max abs difference; the layouts sum in different orders).

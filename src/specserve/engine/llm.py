@@ -13,7 +13,7 @@ import torch
 
 from specserve.config import ModelConfig, SpeculativeConfig, parse_dtype, pick_device
 from specserve.engine.plain import generate_plain
-from specserve.models.layout import column_major_projections
+from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model, resolve_model_path
 from specserve.spec.decode import generate_speculative
@@ -54,6 +54,7 @@ class LLM:
         assert isinstance(target, CausalLM)
         if self.device.type == "cpu":  # faster few-row verify products (models/layout.py)
             column_major_projections(target)
+            two_layout_heads(target)
         self.model: CausalLM = target
         self.tokenizer = Tokenizer(self.model_dir)
         eos = set(self.config.eos_token_ids)

@@ -47,6 +47,7 @@ def profile_key(engine: BatchEngine) -> str:
         "batch_invariant": engine.config.batch_invariant, "context": PROFILE_CONTEXT,
         # the projections' storage order (models/layout.py): the same weights multiply at another speed
         "weight_strides": None if proj is None else list(proj.weight.stride()),
+        "head": type(engine.model.lm_head).__name__,  # one layout or two (models/layout.py)
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig, SpeculativeConfig
-from specserve.models.layout import column_major_projections
+from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model, resolve_model_path
 from specserve.spec.draft_model import DraftModelDrafter, check_draft_model
@@ -95,6 +95,7 @@ class DrafterBuilder:
             self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)
         if device.type == "cpu" and isinstance(self.weights, nn.Module):  # as the target's (models/layout.py)
             column_major_projections(self.weights)
+            two_layout_heads(self.weights)
 
     @property
     def capture(self) -> tuple[int, ...]:
