@@ -215,23 +215,32 @@ class BatchEngine:
         # one-off cost, not the steady cost of drafting at this width
         catch_up = any(d is not None and i.num_draft_tokens > 0 and d.backlog > self.max_draft + 2
                        for i, d in zip(items, drafters, strict=True))
-        trees = draft_trees(items, drafters, self.config.batch_invariant, self.device)
+        trees = draft_trees(items, drafters, self.config.batch_invariant)  # None: decodes plainly
         rows: list[Row] = []
         for item, tree in zip(items, trees, strict=True):
+            context = self._context(item.seq, item.start)
+            if tree is None:
+                rows.append(Row([item.seq.token_ids[-1]], [item.start], [item.slots[0]], context))
+                continue
             n = tree.num_nodes + 1
-            chain = tree.is_chain
             rows.append(Row(
                 token_ids=tree.tokens.tolist(), positions=(tree.depths + item.start).tolist(),
-                write_slots=list(item.slots[:n]), context=self._context(item.seq, item.start),
-                tree_mask=None if chain else tree.ancestor_mask(), logits="all",
+                write_slots=list(item.slots[:n]), context=context,
+                tree_mask=None if tree.is_chain else tree.ancestor_mask(), logits="all",
             ))
         if k > 0:
             self.counters.spec_steps += 1
         results = self._forward(rows)
+        picks = self._greedy_picks(items, trees, results)
         outs: list[StepOutput] = []
         verified = 0  # tokens the pass produced, before stop conditions cut a request's last ones
         for item, tree, res in zip(items, trees, results, strict=True):
-            out, n = self._verify(item, tree, res, speculated=k > 0)
+            if tree is None:
+                req = self._requests[item.seq.request_id]
+                token = picks.pop(0) if req.params.greedy else self._sample_one(req, res)
+                out, n = self._plain(req, res, token), 1
+            else:
+                out, n = self._verify(item, tree, res, speculated=k > 0)
             outs += out
             verified += n
         if self.policy is not None and self.shadow is not None:  # see engine/shadow.py
@@ -251,6 +260,29 @@ class BatchEngine:
                 self.policy.record_plain(host)
             self.policy.record_pass(len(items), k, verified, elapsed, catch_up)
         return outs
+
+    def _greedy_picks(self, items: tuple[DecodeItem, ...], trees: list[DraftTree | None],
+                      results: list[RowOutput]) -> list[int]:
+        """The argmax of every greedy plain decode's logits, in item order: one product over the batch."""
+        rows: list[torch.Tensor] = []  # [1, V] each
+        for item, tree, res in zip(items, trees, results, strict=True):
+            if tree is None and self._requests[item.seq.request_id].params.greedy:
+                assert res.logits is not None
+                rows.append(res.logits)
+        return torch.cat(rows).argmax(dim=-1).tolist() if rows else []
+
+    @staticmethod
+    def _sample_one(req: _Request, res: RowOutput) -> int:
+        assert res.logits is not None
+        return int(pick(res.logits, req.params, req.generator).item())
+
+    def _plain(self, req: _Request, res: RowOutput, token: int) -> list[StepOutput]:
+        """Commit a plain decode's token (its row computed the root's KV) and feed the drafter, if any."""
+        root = req.seq.token_ids[-1]
+        out = self._commit(req, 1, [token])
+        if req.drafter is not None and not req.checker.done:
+            req.drafter.accept([root], res.captured, token)
+        return out
 
     def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput,
                 speculated: bool) -> tuple[list[StepOutput], int]:

@@ -9,24 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from specserve.engine.scheduler import DecodeItem
 from specserve.spec.drafter import Drafter
 from specserve.spec.tree import DraftTree
 
 
-def draft_trees(items: Sequence[DecodeItem], drafters: Sequence[Drafter | None], batch_invariant: bool,
-                device: torch.device) -> list[DraftTree]:
-    """Each decode's tree, rooted at its last token; just the root where it drafts nothing this step (its
-    drafter, if any, is told to `skip`)."""
+def draft_trees(items: Sequence[DecodeItem], drafters: Sequence[Drafter | None],
+                batch_invariant: bool) -> list[DraftTree | None]:
+    """Each decode's tree, rooted at its last token; None where it drafts nothing this step and decodes plainly
+    (its drafter, if any, is told to `skip`)."""
     trees: list[DraftTree | None] = [None] * len(items)
     groups: dict[type[Drafter] | None, list[int]] = {}  # None: each drafter on its own
     for i, (item, drafter) in enumerate(zip(items, drafters, strict=True)):
         if drafter is None or item.num_draft_tokens == 0:
             if drafter is not None:
                 drafter.skip(item.seq.token_ids[-1])
-            trees[i] = DraftTree.chain(item.seq.token_ids[-1], [], device=device)
         else:
             groups.setdefault(None if batch_invariant else type(drafter), []).append(i)
     for cls, idx in groups.items():
@@ -35,7 +32,7 @@ def draft_trees(items: Sequence[DecodeItem], drafters: Sequence[Drafter | None],
             group, [items[i].seq.token_ids[-1] for i in idx], [items[i].num_draft_tokens for i in idx])
         for i, tree in zip(idx, proposed, strict=True):
             trees[i] = truncate(tree, items[i].num_draft_tokens)
-    return [t for t in trees if t is not None]
+    return trees
 
 
 def truncate(tree: DraftTree, max_nodes: int) -> DraftTree:
