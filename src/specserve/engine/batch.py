@@ -97,7 +97,7 @@ class BatchEngine:
         self.counters = EngineCounters()
         self.pass_log: PassLog | None = None  # --speculative-adaptive-trace
         self._requests: dict[str, _Request] = {}
-        self._block_offsets = torch.arange(config.kv_block_size)
+        self._block_offsets = range(config.kv_block_size)
 
     # -- requests
 
@@ -164,11 +164,11 @@ class BatchEngine:
             return self.max_draft
         return self.policy.choose(self.scheduler.num_running)
 
-    def _context(self, seq: Sequence, length: int) -> torch.Tensor:
-        """Slots of positions [0, length) of `seq`: [length] long."""
-        blocks = torch.tensor(seq.block_table.blocks, dtype=torch.long)
-        slots = (blocks[:, None] * self.config.kv_block_size + self._block_offsets[None]).flatten()
-        return slots[:length]
+    def _context(self, seq: Sequence, length: int) -> list[int]:
+        """Slots of positions [0, length) of `seq` (a list: the runner converts a batch's rows at once)."""
+        bs = self.config.kv_block_size
+        offsets = self._block_offsets
+        return [b * bs + o for b in seq.block_table.blocks[: -(-length // bs)] for o in offsets][:length]
 
     def _run_prefills(self, plan: BatchPlan) -> list[StepOutput]:
         t0, f0, d0 = time.perf_counter(), self.counters.forward_s, self.counters.prefill_drafter_s
@@ -203,7 +203,8 @@ class BatchEngine:
             req.drafter = self.drafters.for_request(req.params, req.generator, max_len)
             # every position's captured states, those of a cached prefix included: [T, n*H]
             t0 = time.perf_counter()
-            hidden = self.kv.features[self._context(seq, seq.num_tokens)] if self.kv.features is not None else None
+            slots = torch.tensor(self._context(seq, seq.num_tokens), device=self.device)
+            hidden = self.kv.features[slots] if self.kv.features is not None else None
             req.drafter.prefill(seq.token_ids[: seq.num_tokens], hidden)
             self.counters.prefill_drafter_s += time.perf_counter() - t0
         return self._commit(req, chunk.num_tokens, [token])

@@ -77,7 +77,7 @@ def engine_profile(engine: BatchEngine, path: Path | None = None, progress: bool
     need = PROFILE_CONTEXT + max(widths)
     if need > engine.kv.num_slots:
         raise ValueError(f"the KV pool ({engine.kv.num_slots} slots) is too small to profile {need}-token rows")
-    context = torch.arange(PROFILE_CONTEXT)
+    context = list(range(PROFILE_CONTEXT))
     bar = tqdm(total=len(batches) * len(widths), desc="adaptive profile", unit="shape", disable=not progress)
 
     def forward(b: int, q: int) -> None:

@@ -109,6 +109,10 @@ class PagedView:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.write_slots] = k.transpose(1, 2).reshape(b * q, h, d)
         vc[self.write_slots] = v.transpose(1, 2).reshape(b * q, h, d)
-        keys = kc[self.read_slots].transpose(1, 2)  # [B, Hkv, K, D]
-        values = vc[self.read_slots].transpose(1, 2)
+        # index_select over the flat slot list: a contiguous row copy per slot, 3-4x faster on CPU than advanced
+        # indexing with the [B, K] index (`python benchmarks/kv_gather.py`)
+        rows, k_len = self.read_slots.shape
+        flat = self.read_slots.view(-1)
+        keys = kc.index_select(0, flat).view(rows, k_len, h, d).transpose(1, 2)  # [B, Hkv, K, D]
+        values = vc.index_select(0, flat).view(rows, k_len, h, d).transpose(1, 2)
         return keys, values
