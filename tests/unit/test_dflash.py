@@ -235,8 +235,9 @@ def test_block_attention_is_bidirectional_and_bounded(draft: DFlashDraftModel, t
 
     d = drafter(draft, target, draft_dir)
     d.prefill([1, 2, 3], torch.randn(3, 128, generator=gen))
-    assert d.backlog == 0  # the prompt enters the context cache at prefill
+    assert d.backlog == 3 and d.length == 0  # the prompt is queued at prefill (a request may never speculate)
     before = d.block_log_probs(7)
+    assert d.backlog == 0 and d.length == 3  # ... and enters the context cache at the first block
     for k in d.cache.k:
         k[:, :, 3:] = 5.0  # garbage past the committed context must not be read
     torch.testing.assert_close(d.block_log_probs(7), before)

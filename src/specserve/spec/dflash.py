@@ -69,8 +69,8 @@ class DFlashDrafter(Drafter):
         if hidden is None:
             raise ValueError("DFLASH needs the target's hidden states: run the prefill with capture=drafter.capture")
         self.length = 0
-        self._pending = []
-        self._append(hidden)
+        self._pending = [hidden]  # projected at the first propose, like accepted tokens: a request that never
+        # speculates (adaptive decoding plainly at high concurrency) costs no drafter forward over its prompt
 
     def accept(self, tokens: list[int], hidden: torch.Tensor | None, next_root: int) -> None:
         """Queue the accepted tokens' states; they enter the context cache in one forward at the next propose
@@ -243,25 +243,26 @@ def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int], rows: in
 
 
 def _flush_many(drafters: list[DFlashDrafter]) -> None:
-    """Every drafter's queued context in one batched projection (padded to the longest backlog), each row then
-    written into its own cache: after a stretch of plain decoding a whole batch catches up in one forward."""
+    """Every drafter's queued context in one projection (the projection is per token: the backlogs go in
+    concatenated, not padded, so a request joining with its whole prompt costs its prompt, not the batch times
+    it), each drafter's rows then written into its own cache: after a stretch of plain decoding a whole batch
+    catches up in one forward."""
     waiting = [d for d in drafters if d._pending]
     if len(waiting) < 2:
         for d in waiting:
             d._flush()
         return
     first = waiting[0]
-    lengths = torch.tensor([d.length for d in waiting], device=first.device)  # [B]
     rows = [r for r in (d._take_pending() for d in waiting) if r is not None]  # [T_i, n*H] each, one per drafter
-    longest = max(int(r.shape[0]) for r in rows)
-    features = rows[0].new_zeros(len(rows), longest, rows[0].shape[-1], dtype=first.dtype)  # [B, T, n*H]
-    for i, r in enumerate(rows):
-        features[i, : r.shape[0]] = r
-    positions = lengths[:, None] + torch.arange(longest, device=first.device)[None]  # [B, T]
-    kv = first.draft.context_kv(features, positions)  # per layer k, v [B, Hkv, T, D]
-    for i, (d, r) in enumerate(zip(waiting, rows, strict=True)):
+    features = torch.cat(rows)[None].to(first.dtype)  # [1, sum T_i, n*H]
+    positions = torch.cat([torch.arange(d.length, d.length + int(r.shape[0]), device=first.device)
+                           for d, r in zip(waiting, rows, strict=True)])[None]  # [1, sum T_i]
+    kv = first.draft.context_kv(features, positions)  # per layer k, v [1, Hkv, sum T_i, D]
+    at = 0
+    for d, r in zip(waiting, rows, strict=True):
         t = int(r.shape[0])
         view = d.cache.view(d.length, t, causal=False)
         for layer, (k, v) in enumerate(kv):
-            view.update(layer, k[i: i + 1, :, :t], v[i: i + 1, :, :t])
+            view.update(layer, k[:, :, at:at + t], v[:, :, at:at + t])
         d.length += t
+        at += t
