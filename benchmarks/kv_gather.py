@@ -15,20 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from timing import timed  # benchmarks/timing.py (this script's folder is on sys.path)
 
 from specserve.config import ModelConfig
 from specserve.models.loader import resolve_model_path
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
 
 
 def main() -> None:

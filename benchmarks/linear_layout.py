@@ -20,20 +20,12 @@ import argparse
 import json
 import platform
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import timed  # benchmarks/timing.py (this script's folder is on sys.path)
 
 from specserve.engine.llm import LLM
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
 
 
 def main() -> None:
