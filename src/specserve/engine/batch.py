@@ -167,8 +167,7 @@ class BatchEngine:
     def _context(self, seq: Sequence, length: int) -> list[int]:
         """Slots of positions [0, length) of `seq` (a list: the runner converts a batch's rows at once)."""
         bs = self.config.kv_block_size
-        offsets = self._block_offsets
-        return [b * bs + o for b in seq.block_table.blocks[: -(-length // bs)] for o in offsets][:length]
+        return [b * bs + o for b in seq.block_table.blocks[: -(-length // bs)] for o in self._block_offsets][:length]
 
     def _run_prefills(self, plan: BatchPlan) -> list[StepOutput]:
         t0, f0, d0 = time.perf_counter(), self.counters.forward_s, self.counters.prefill_drafter_s
@@ -232,13 +231,13 @@ class BatchEngine:
         if k > 0:
             self.counters.spec_steps += 1
         results = self._forward(rows)
-        picks = self._greedy_picks(items, trees, results)
+        picks = iter(self._greedy_picks(items, trees, results))
         outs: list[StepOutput] = []
         verified = 0  # tokens the pass produced, before stop conditions cut a request's last ones
         for item, tree, res in zip(items, trees, results, strict=True):
             if tree is None:
                 req = self._requests[item.seq.request_id]
-                token = picks.pop(0) if req.params.greedy else self._sample_one(req, res)
+                token = next(picks) if req.params.greedy else self._sample_one(req, res)
                 out, n = self._plain(req, res, token), 1
             else:
                 out, n = self._verify(item, tree, res, speculated=k > 0)
