@@ -238,7 +238,7 @@ class BatchEngine:
             if tree is None:
                 req = self._requests[item.seq.request_id]
                 token = next(picks) if req.params.greedy else self._sample_one(req, res)
-                out, n = self._plain(req, res, token), 1
+                out, n = self._advance(req, [item.seq.token_ids[-1]], res.captured, token), 1
             else:
                 out, n = self._verify(item, tree, res, speculated=k > 0)
             outs += out
@@ -276,12 +276,13 @@ class BatchEngine:
         assert res.logits is not None
         return int(pick(res.logits, req.params, req.generator).item())
 
-    def _plain(self, req: _Request, res: RowOutput, token: int) -> list[StepOutput]:
-        """Commit a plain decode's token (its row computed the root's KV) and feed the drafter, if any."""
-        root = req.seq.token_ids[-1]
-        out = self._commit(req, 1, [token])
+    def _advance(self, req: _Request, tokens: list[int], hidden: torch.Tensor | None,
+                 bonus: int) -> list[StepOutput]:
+        """tokens = [root, accepted drafts...] now in the KV, hidden their captured states [len(tokens), n*H]
+        (or None), bonus the target's next token: commit them and feed the drafter, if any."""
+        out = self._commit(req, len(tokens), [*tokens[1:], bonus])
         if req.drafter is not None and not req.checker.done:
-            req.drafter.accept([root], res.captured, token)
+            req.drafter.accept(tokens, hidden, bonus)
         return out
 
     def _verify(self, item: DecodeItem, tree: DraftTree, res: RowOutput,
@@ -307,11 +308,8 @@ class BatchEngine:
                 c.position_accepted[i] += 1
             if self.policy is not None:
                 self.policy.record_accept(v.accepted, item.num_draft_tokens)
-        out = self._commit(req, len(path), [*tokens[1:], v.bonus])
-        if req.drafter is not None and not req.checker.done:
-            hidden = res.captured[path] if res.captured is not None else None
-            req.drafter.accept(tokens, hidden, v.bonus)
-        return out, len(path)
+        hidden = res.captured[path] if res.captured is not None else None
+        return self._advance(req, tokens, hidden, v.bonus), len(path)
 
     def _commit(self, req: _Request, num_computed: int, new_tokens: list[int]) -> list[StepOutput]:
         """Feed the stop checker, advance the sequence, finish it if it stopped."""
