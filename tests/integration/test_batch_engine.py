@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,7 @@ class CyclingPolicy(AdaptivePolicy):
         super().__init__(CostProfile("test", (1,), (1,), ((1.0,),)), max_width, stepwise=False)
         self.turn = 0
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, classes: Sequence[int] = ()) -> int:
         self.turn += 1
         return self.turn % (self.max_width + 1)
 

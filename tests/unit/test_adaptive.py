@@ -12,9 +12,9 @@ import pytest
 
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, AdaptivePolicy
+from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, AdaptivePolicy, streak_class
 from specserve.engine.batch import BatchEngine
-from specserve.engine.cost_profile import CostProfile
+from specserve.engine.cost_profile import CostProfile, monotone
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.profile import engine_profile, profile_grid, profile_key
@@ -69,6 +69,16 @@ def test_profile_rejects_a_bad_grid(batches: tuple[int, ...], widths: tuple[int,
         CostProfile("k", batches, widths, seconds)
 
 
+def test_profile_grid_is_made_monotone(tmp_path: Path) -> None:
+    """A time above that of a larger shape is noise (a slow stretch during one shape): cut to the larger's, on
+    load as after measuring, so one bad shape does not price the widths around it out."""
+    noisy = [[5.9, 6.0, 18.4, 10.5], [7.2, 5.0, 12.0, 12.5]]
+    assert monotone(noisy) == ((5.0, 5.0, 10.5, 10.5), (5.0, 5.0, 12.0, 12.5))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"key": "k", "batch_sizes": [1, 2], "widths": [1, 2, 3, 5], "seconds": noisy}))
+    assert CostProfile.load(path).seconds == monotone(noisy)
+
+
 def test_load_rejects_a_bad_file(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"key": "k", "batch_sizes": [1, 2], "widths": [1], "seconds": [[1.0]]}))
@@ -87,6 +97,13 @@ def flat(max_q: int = 9) -> CostProfile:
 def steep() -> CostProfile:
     """One forward costs 1 s + 0.5 s per extra token verified."""
     return CostProfile("k", (1,), (1, 2, 3, 5), ((1.0, 1.5, 2.0, 3.0),))
+
+
+def measure(policy: AdaptivePolicy, batch: int, width: int, tok_s: float, passes: int = 1) -> None:
+    """Record `passes` decode passes of `width` at `batch` that ran at `tok_s` output tokens/s: seconds per pass =
+    batch x the acceptance model's tokens per request / tok_s (what `realized` divides)."""
+    for _ in range(passes):
+        policy.record_pass(batch, width, seconds=batch * policy.expected_tokens(width) / tok_s)
 
 
 def chain(accepted: int) -> list[int]:
@@ -185,9 +202,10 @@ def test_cut_rounds_measure_their_own_nodes_and_the_full_width_is_revisited() ->
     assert 2.8 < policy.expected_tokens(2) < 3.0  # decayed: the 20 older rounds still weigh 0.98^50
     assert policy.expected_tokens(4) == policy.expected_tokens(2)  # nodes 3, 4: measured never accepted
     policy.record_draft(0.0)
-    picks = [policy.choose(1) for _ in range(8)]
-    # w = 2 (2.84 / 2) beats w = 1 (2 / 1.5); every 4th step goes to the full width or plain decoding in turn
-    assert picks == [2, 2, 2, 4, 2, 2, 2, 0]
+    picks = [policy.choose(1) for _ in range(10)]
+    # w = 2 (2.84 / 2) beats w = 1 (2 / 1.5); every 4th step goes to the full width or plain decoding in turn,
+    # for two steps (the first pass after a switch runs cold: the second is measured)
+    assert picks == [2, 2, 2, 4, 4, 2, 2, 2, 0, 0]
 
 
 # -- engine_profile on a tiny engine
@@ -263,23 +281,22 @@ def test_measured_rates_overrule_the_model() -> None:
         policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
     assert policy.choose(2) == 4  # nothing measured at batch 2
-    policy.record_pass(2, 4, tokens=1000, seconds=1.0)  # the first speculating step catches up: not measured
+    measure(policy, 2, 4, 1000.0)  # the first speculating step catches up (and follows a plain one): not measured
     assert policy.realized(2, 4) is None
     for _ in range(MIN_PASSES - 1):
         assert policy.choose(2) == 4
-        policy.record_pass(2, 4, tokens=10, seconds=1.0)
+        measure(policy, 2, 4, 10.0)
         assert policy.realized(2, 4) is None  # too few passes to judge
     assert policy.choose(2) == 4
-    policy.record_pass(2, 4, tokens=10, seconds=1.0)
+    measure(policy, 2, 4, 10.0)
     assert policy.realized(2, 4) == pytest.approx(10.0)
     for _ in range(MIN_PASSES + 1):  # (the first plain pass after speculation runs cold: not measured)
         assert policy.choose(2) == 0  # speculation measured, plain not yet: measure it
-        policy.record_pass(2, 0, tokens=30, seconds=1.0)
+        measure(policy, 2, 0, 30.0)
     picks = [policy.choose(2) for _ in range(12)]
     assert picks.count(0) >= 6 and 4 in picks, picks  # plain is faster here; speculation explored
     assert policy.choose(1) == 4 and policy.choose(8) == 4  # other batch sizes: their own measurements (none)
-    for _ in range(3):
-        policy.record_pass(2, 4, tokens=100, seconds=1.0)
+    measure(policy, 2, 4, 100.0, passes=8)
     picks = [policy.choose(2) for _ in range(8)]
     assert picks.count(4) >= 6, picks  # speculation has become faster at batch 2 (plain re-measured now and then)
 
@@ -294,9 +311,8 @@ def test_measured_rates_are_kept_per_width_and_correct_the_model_elsewhere() -> 
             policy.record_accept(chain(4), 4)
         policy.record_draft(0.0, batch=2)
         modelled = policy.rate(2, 1)
-        for _ in range(MIN_PASSES):
-            policy.record_pass(2, 0, tokens=3, seconds=1.0)
-            policy.record_pass(2, 1, tokens=fraction * modelled, seconds=1.0)
+        measure(policy, 2, 0, 3.0, passes=MIN_PASSES)
+        measure(policy, 2, 1, fraction * modelled, passes=MIN_PASSES + 1)  # (the first after a switch runs cold)
         assert policy.realized(2, 1) == pytest.approx(fraction * modelled) and policy.realized(2, 4) is None
         assert policy.scores(2)[4] == pytest.approx(fraction * policy.rate(2, 4))
         assert policy.choose(2) == want, fraction
@@ -313,13 +329,12 @@ def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
     for _ in range(400):
         w = policy.choose(2)
         picks.append(w)
-        policy.record_pass(2, w, tokens=10 if w > 0 else 30, seconds=1.0)
+        measure(policy, 2, w, 10.0 if w > 0 else 30.0)
     tries = [i for i, w in enumerate(picks) if w > 0 and (i == 0 or picks[i - 1] == 0)]  # first steps of tries
     assert 3 <= len(tries) <= 8, tries
     gaps = [b - a for a, b in itertools.pairwise(tries[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= 64  # the waits grow
-    policy.record_pass(2, 4, tokens=500, seconds=1.0)  # speculation has become the faster: tries come back
-    policy.record_pass(2, 4, tokens=500, seconds=1.0)
+    measure(policy, 2, 4, 500.0, passes=2)  # speculation has become the faster: tries come back
     assert 4 in [policy.choose(2) for _ in range(8)]
 
 
@@ -380,16 +395,24 @@ def test_exploration_stays_within_its_cost_budget() -> None:
         AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_cost=0.0)
 
 
-def test_measured_rates_are_sums_not_averages_of_rates() -> None:
-    """Three passes: 1 token in 1 s, then 9 tokens in 0.1 s twice -> decayed token sum over decayed second sum,
-    not the mean of the per-pass rates (1, 90, 90)."""
-    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
-    policy.record_pass(1, 4, tokens=1, seconds=1.0)
-    policy.record_pass(1, 4, tokens=9, seconds=0.1)
-    policy.record_pass(1, 4, tokens=9, seconds=0.1)
+def test_measured_rates_are_modelled_tokens_over_measured_seconds() -> None:
+    """A measured rate is the acceptance model's tokens per request (long memory: acceptance runs in phases, a
+    request's first rounds accept little, its later ones loop) over the decayed mean of measured seconds per
+    request and pass (short memory: the machine's speed drifts), so a try landing on a request's start does not
+    price the width at that phase's acceptance. Passes at batch 2 of 0.5, 0.5 and 2 s: 1 s, 1 s, 4 s a request."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
+    for _ in range(20):
+        policy.record_accept(chain(2), 4)  # E[tokens | 4] = 3
+    policy.record_pass(2, 0, seconds=1.0)  # the first pass: of the width recorded before it (plain), measured
+    policy.record_pass(2, 4, seconds=0.5)  # the first after a switch runs cold: not measured
+    for seconds in (0.5, 0.5, 2.0):
+        policy.record_pass(2, 4, seconds=seconds)
     d = PASS_DECAY
-    assert policy.realized(1, 4) == pytest.approx((d * d * 1 + d * 9 + 9) / (d * d * 1.0 + d * 0.1 + 0.1))
-    assert policy.realized(1, 0) is None
+    mean = (d * d * 0.25 + d * 0.25 + 1.0) / (d * d + d + 1)
+    assert policy.realized(2, 4) == pytest.approx(3.0 / mean)
+    assert policy.realized(2, 0) is None  # one plain pass: too few
+    policy.record_accept(chain(4), 4)  # acceptance moves the measured rate at once
+    assert policy.realized(2, 4) == pytest.approx(policy.expected_tokens(4) / mean)
 
 
 def test_host_cost_is_kept_per_batch_size() -> None:
@@ -398,13 +421,14 @@ def test_host_cost_is_kept_per_batch_size() -> None:
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
     for _ in range(20):
         policy.record_accept(chain(1), 4)  # E[tokens | 4] = 2
-    policy.record_draft(1.0, batch=1)
-    assert policy.choose(1) == 0  # 1 / 1 s beats 2 / (1.01 + 1) s
+    policy.record_draft(2.0, batch=1)
+    assert policy.choose(1) == 0  # 1 / 1 s beats 2 / (1.01 + 2) s
     assert policy.choose(8) == 4  # batch 8 not measured: speculate to learn (this step catches up)
     assert policy.choose(8) == 4  # and this one is measured
     policy.record_draft(0.05, batch=8)
-    assert policy.draft_seconds(4, 8) == 0.05 and policy.draft_seconds(4, 1) == 1.0
+    assert policy.draft_seconds(4, 8) == 0.05 and policy.draft_seconds(4, 1) == 2.0
     assert policy.choose(8) > 0  # 16 tokens / (2.02 + 0.4) s beats 8 / 2 s
+    policy.choose(8)  # (a refresh's second step)
     assert policy.choose(1) == 0
 
 
@@ -429,6 +453,9 @@ def test_plain_steps_measure_ngram_acceptance_in_shadow(llm: LLM) -> None:
     assert set(policy.choices) == {0}  # never speculated
     assert engine.shadow.decided >= 10
     assert policy.expected_tokens(engine.max_draft) != 1.0 + engine.max_draft  # no longer the prior
+    assert policy.rounds(2) > 3  # rounds after rounds that accepted 1-2 drafts (of 2) are kept apart
+    w = engine.max_draft
+    assert policy.expected_tokens(w, 2) > policy.expected_tokens(w, 1)  # and accept more: streaks
     want = llm.generate_plain([prompt, prompt[1:]], params)
     assert [out["a"], out["b"]] == [r.token_ids for r in want]
 
@@ -458,14 +485,13 @@ def test_plain_passes_right_after_speculation_are_not_measured() -> None:
     for _ in range(20):
         policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
-    for _ in range(10):
-        policy.record_pass(2, 4, tokens=750, seconds=1.0)
+    measure(policy, 2, 4, 750.0, passes=10)
     picks, prev = [], 4
     for _ in range(300):
         w = policy.choose(2)
         picks.append(w)
         policy.record_plain(0.0)
-        policy.record_pass(2, w, tokens=750 if w else (500 if prev else 800), seconds=1.0)
+        measure(policy, 2, w, 750.0 if w else (500.0 if prev else 800.0))
         prev = w
     refresh = picks.index(0)
     assert picks[refresh: refresh + 2] == [0, 0], picks  # a refresh: two plain steps
@@ -482,15 +508,13 @@ def test_speculation_is_compared_with_plain_decoding_measured_as_recently() -> N
     for _ in range(20):
         policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
-    for _ in range(10):
-        policy.record_pass(2, 0, tokens=300, seconds=1.0)
-    for _ in range(10):
-        policy.record_pass(2, 4, tokens=700, seconds=1.0)
+    measure(policy, 2, 0, 300.0, passes=10)
+    measure(policy, 2, 4, 700.0, passes=10)
     picks = []
     for _ in range(200):
         w = policy.choose(2)
         picks.append(w)
-        policy.record_pass(2, w, tokens=700 if w else 800, seconds=1.0)
+        measure(policy, 2, w, 700.0 if w else 800.0)
     switch = next(i for i in range(len(picks)) if picks[i: i + 6] == [0] * 6)
     assert picks[:7] == [4] * 7 and switch < 40, picks  # speculation until a few refreshes...
     assert picks[40:].count(0) > 0.9 * 160, picks  # ...then plain decoding, speculation tried now and then
@@ -500,18 +524,17 @@ def test_stale_rates_are_not_compared() -> None:
     """A width not measured for 4 x explore_every passes is stale: dropped, the model (scaled by the last
     measured ratio) prices it again until MIN_PASSES fresh passes measured it."""
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=2)
-    for _ in range(MIN_PASSES):
-        policy.record_pass(2, 4, tokens=10, seconds=1.0)
+    measure(policy, 2, 4, 10.0, passes=MIN_PASSES + 1)  # (the first after a switch is not measured)
     assert policy.realized(2, 4) == pytest.approx(10.0)
-    for _ in range(8):
-        policy.record_pass(2, 0, tokens=5, seconds=1.0)
+    measure(policy, 2, 0, 5.0, passes=8)
     assert policy.realized(2, 4) == pytest.approx(10.0)  # 8 passes old: still compared
-    policy.record_pass(2, 0, tokens=5, seconds=1.0)
+    measure(policy, 2, 0, 5.0)
     assert policy.realized(2, 4) is None and policy.realized(2, 0) == pytest.approx(5.0)
+    measure(policy, 2, 4, 40.0)  # after a switch: not measured
     for _ in range(MIN_PASSES - 1):
-        policy.record_pass(2, 4, tokens=40, seconds=1.0)
+        measure(policy, 2, 4, 40.0)
         assert policy.realized(2, 4) is None  # one or two fresh passes do not revive the stale sums
-    policy.record_pass(2, 4, tokens=40, seconds=1.0)
+    measure(policy, 2, 4, 40.0)
     assert policy.realized(2, 4) == pytest.approx(40.0)  # the fresh passes alone
 
 
@@ -528,16 +551,16 @@ def test_one_unlucky_pass_after_another_batch_size_does_not_stop_speculation() -
     policy.record_draft(0.0, batch=16)
     for _ in range(40):
         w = policy.choose(1)
-        policy.record_pass(1, w, tokens=4 if w else 1, seconds=1.0)
+        measure(policy, 1, w, 4.0 if w else 1.0)
     for _ in range(100):
         w = policy.choose(16)
-        policy.record_pass(16, w, tokens=8 if w else 16, seconds=1.0)
+        measure(policy, 16, w, 8.0 if w else 16.0)
     picks = []
     for _ in range(40):
         w = policy.choose(1)
         picks.append(w)
         unlucky = w > 0 and picks.count(w) == 2  # the first speculating pass after the catch-up one
-        policy.record_pass(1, w, tokens=1 if unlucky else (4 if w else 1), seconds=2.0 if unlucky else 1.0)
+        measure(policy, 1, w, 0.5 if unlucky else (4.0 if w else 1.0))
     assert picks.count(0) <= 12, picks  # refreshes (two plain steps in 10) and re-measuring plain decoding
 
 
@@ -546,10 +569,9 @@ def test_steps_where_a_drafter_catches_up_are_not_measured() -> None:
     draft models). The engine flags such steps; their host time and rate are a one-off, not the width's."""
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
     policy.record_draft(0.01, 4, batch=2)
-    for _ in range(MIN_PASSES):
-        policy.record_pass(2, 4, tokens=10, seconds=1.0)
+    measure(policy, 2, 4, 10.0, passes=MIN_PASSES + 1)
     policy.record_draft(5.0, 4, batch=2, catch_up=True)
-    policy.record_pass(2, 4, tokens=10, seconds=50.0, catch_up=True)
+    policy.record_pass(2, 4, seconds=50.0, catch_up=True)
     assert policy.draft_seconds(4, 2) == 0.01 and policy.realized(2, 4) == pytest.approx(10.0)
 
 
@@ -558,11 +580,11 @@ def test_one_held_up_pass_counts_as_a_few_average_ones() -> None:
     mean), so plain decoding's measured rate does not fall below speculation's for one hiccup."""
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
     for _ in range(MIN_PASSES):
-        policy.record_pass(2, 0, tokens=10, seconds=1.0)
-    policy.record_pass(2, 0, tokens=10, seconds=20.0)
+        policy.record_pass(2, 0, seconds=1.0)
+    policy.record_pass(2, 0, seconds=20.0)
     d = PASS_DECAY
-    old = sum(d**i for i in range(1, MIN_PASSES + 1))
-    assert policy.realized(2, 0) == pytest.approx((10 * old + 10) / (old + OUTLIER))
+    old = sum(d**i for i in range(1, MIN_PASSES + 1))  # seconds per request: 0.5 each, the last at most 1.5
+    assert policy.realized(2, 0) == pytest.approx((old + 1) / (0.5 * old + OUTLIER * 0.5))
 
 
 def test_host_cost_of_a_first_slow_pass_does_not_stick() -> None:
@@ -605,3 +627,39 @@ def test_robust_update_keeps_the_fastest_first_samples_then_caps_outliers() -> N
     assert _robust_update(est, 0.5, 0.5) == (pytest.approx(0.5 * 0.010 + 0.5 * OUTLIER * 0.010), MIN_PASSES + 1)
     assert _robust_update(est, 0.004, 0.5) == (pytest.approx(0.007), MIN_PASSES + 1)
     assert _robust_update((0.0, MIN_PASSES), 0.02, 0.5) == (pytest.approx(0.01), MIN_PASSES + 1)  # not stuck at 0
+
+
+def test_acceptance_is_kept_per_request_class() -> None:
+    """Acceptance runs in streaks (a request's first rounds under n-gram lookup accept nothing, its loops accept
+    everything): it is kept per class of the request's last round (`streak_class`), and a step's expected
+    tokens are those of its batch's classes. Looping requests take the full width, fresh ones decode plainly,
+    a batch of both weighs them."""
+    assert [streak_class(n) for n in (None, 0, 1, 2, 3, 7)] == [0, 1, 2, 2, 3, 3]
+    policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, prior_rounds=0)
+    for _ in range(20):
+        policy.record_accept(chain(0), 4, cls=1)
+        policy.record_accept(chain(4), 4, cls=3)
+    policy.record_draft(0.0)
+    assert policy.expected_tokens(4, cls=1) == 1.0 and policy.expected_tokens(4, cls=3) == pytest.approx(5.0)
+    assert policy.choose(1, [3]) == 4  # 5 tokens / 3 s beat 1 / 1 s
+    assert policy.expected_tokens(4) == pytest.approx(5.0)  # the batch's mix: one looping request
+    for _ in range(3):
+        assert policy.choose(1, [1]) == 0  # nothing accepted after a round that accepted nothing
+    assert policy.choose(2, [1, 3]) == 4 and policy.expected_tokens(4) == pytest.approx(3.0)  # (1 + 5) / 2
+    assert policy.choose(1) == 0  # no classes given: all new (class 0, never measured: the prior was 0 rounds)
+
+
+def test_a_switch_needs_a_clear_gain_at_small_batches() -> None:
+    """The pass after a switch of width runs cold, so a step leaves the settled width only for a gain above
+    SWITCH_MARGIN / batch: speculating at batch 1, plain decoding 5% faster is not switched to, 25% is."""
+    for host, want in ((2 / 0.95 - 1.01, 4), (2 / 0.8 - 1.01, 0)):  # speculation at 0.95 and 0.8 tokens/s
+        policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
+        policy.record_draft(host)
+        for _ in range(20):
+            policy.record_accept(chain(4), 4)
+        assert policy.choose(1) == 4  # 5 tokens / (1.01 + host) s beat 1 / 1 s
+        for _ in range(400):
+            policy.record_accept(chain(1), 4)  # acceptance falls: E = 2
+        assert policy.rate(1, 4) == pytest.approx(0.95 if want else 0.8, rel=0.01)
+        assert policy.rate(1, 0) == pytest.approx(1.0)
+        assert policy.choose(1) == want, host

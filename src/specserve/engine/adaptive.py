@@ -7,22 +7,33 @@ Inputs:
   online for plain steps and for speculating steps of each batch size (power-of-two bucket: drafting is batched
   across requests, so its cost per request falls with the batch) and width (see below; a batch size not
   measured yet speculates once to find out);
-- acceptance, measured online: for each draft node index j (parents precede children, so a tree's first w
-  nodes are a tree), P(node j is on the accepted path | the round verified at least j nodes).
+- acceptance, measured online: for each request class c and draft node index j (parents precede children, so
+  a tree's first w nodes are a tree), P(node j is on the accepted path | the round verified at least j nodes,
+  the request is of class c).
 For b running requests the policy scores every candidate width w (0 = plain decoding):
     rate(w) = b * E[tokens | w] / (T(b, w + 1) + b * host_s(w))      E[tokens | 0] = 1
-    E[tokens | w] = 1 + sum_{j <= w} P(node j on the accepted path)
-and takes the best. Cutting a round to its first w nodes keeps exactly the accepted path's nodes of index <= w
-(the target's picks do not depend on the tree; indices grow along a path), so one set of measurements prices
-every cut, of chains and of trees alike. A width not measured yet is charged the full width's host time, or,
-where drafting runs one step per draft (`stepwise`: EAGLE-3 and draft-model chains), that time scaled by
-(w + 1) / (W + 1); its first step then measures it. Acceptance starts at one pseudo-round accepting every
-node (`prior_rounds`), so a fresh engine speculates until real rounds say otherwise. (Drafters that cost
-nothing, the n-gram lookup, also draft unverified trees during plain steps to keep measuring acceptance:
+    E[tokens | w] = mean over the b requests of 1 + sum_{j <= w} P(node j on the accepted path | its class)
+and takes the best. A request's class (`streak_class`) is what its last decided round accepted: none yet, 0 drafts,
+1-2, 3 or more. Acceptance runs in streaks: under n-gram lookup on the demo's coding prompts a request's first
+rounds accept nothing, and once its text repeats nearly every round accepts the whole chain; a round after one that
+accepted nothing accepted 0.45 drafts on average, one after 3 or more 5.8. One average over all rounds priced the
+deep nodes at the first phase's acceptance while the loops ran (and rounds cut to a few nodes never measured them
+again). Classes are used where shadow rounds (below) keep every request's current: a request decoded plainly
+otherwise keeps the class of its last verified round until a try. Cutting a round to its first w nodes keeps exactly
+the accepted path's nodes of index <= w (the target's picks do not depend on the tree; indices grow along a path),
+so one set of measurements prices every cut, of chains and of trees alike. A width not measured yet is charged the
+full width's host time, or, where drafting runs one step per draft (`stepwise`: EAGLE-3 and draft-model chains),
+that time scaled by (w + 1) / (W + 1); its first step then measures it. Acceptance starts at one pseudo-round
+accepting every node (`prior_rounds`), so a fresh engine speculates until real rounds say otherwise. (Drafters that
+cost nothing, the n-gram lookup, also draft unverified trees during plain steps to keep measuring acceptance:
 `shadow.py`.)
 
-Measured rates (per batch bucket and width, once `MIN_PASSES` passes were seen: one pass can be a request's
-last, cut short) replace the model's for that width: the choice is the best of measured rates where they exist
+Measured rates (per batch bucket and width, once `MIN_PASSES` passes were seen) replace the model's for that
+width. A measured rate is E[tokens | w] of the batch now over the measured seconds per request of a pass
+(decayed mean): tokens come from the acceptance model (long memory, per class), time from the passes (short
+memory: the machine's speed drifts). Measuring tokens over the last few passes instead let phases decide: a
+try (four passes) landing on a request's start measured n-gram speculation at one token a pass, slower than
+plain decoding, and the next try came 100 plain passes later. The choice is the best of measured rates where they exist
 and modelled ones elsewhere, those scaled by the median ratio of measured to modelled rate of the speculating
 widths measured at that batch size, so the model's misses (padding, cache misses, contention) are corrected and
 a width is tried only where the corrected model still favours it. While speculating, one step in `explore_every`
@@ -32,13 +43,17 @@ outside tries it happens only where `explore_every` speculating steps save more 
 this batch size (as the batch shrinks at the end of a burst of requests, one long catch-up for a few steps of
 speculation loses).
 
-A plain pass right after a speculating one is not measured: it runs cold (the drafter and the wide verify
+A pass right after one of another width is not measured: it runs cold (the drafter and the wide verify
 pass left the caches holding their data; served at concurrency 1, EAGLE3's target forward took 4.65 ms after a
 speculating pass against 3.53 ms after a plain one, NGRAM's 5.5 ms against 5.0), a cost paid once per switch.
 Measured, those passes made plain decoding look slower than it runs once it is chosen, and kept losing
 speculation on: NGRAM at temperature 0.7 and concurrency 16 speculated at ~0.8x the plain server. So a refresh
-to plain decoding takes two steps (`REFRESH_PLAIN_PASSES`) and measures the second, and the first plain step
-after a try is not measured either.
+takes two steps (`REFRESH_PASSES`) and measures the second. The cold pass is also why the policy keeps the width
+it settled on unless another promises more than `SWITCH_MARGIN` / batch over it (at batch 1, 10%): in process
+at concurrency 1, a fixed full-width NGRAM engine's 12-row passes ran 1.06-1.23x a plain engine's plain ones,
+while an engine switching between widths step by step paid 1.3-1.5x for the same shapes
+(`benchmarks/inprocess_levels.py`). At larger batches a cold pass weighs less in a pass, and the batch's mix of
+classes changes slowly, so the margin shrinks with the batch.
 
 Host time is measured per batch bucket and width, and the first passes of a new shape can pay one-time costs
 (in bf16 on CPU oneDNN compiles a kernel for every new matrix shape: a first pass at batch 4 took 98 ms where
@@ -58,28 +73,25 @@ under `explore_cost` of the time spent decoding plainly. A try's cost counts all
 drafters' catch-up (see below), measured at that batch size: at high concurrency the catch-up runs the drafter
 over every prompt and token committed since the last speculation, which can cost many plain steps.
 
-Measured rates are decayed sums of tokens (verified, before stop conditions cut a request's last ones) over
-decayed sums of seconds (not averages of per-pass rates), so one lucky pass does not flip the decision. They
-decay with the engine's passes, not with their own updates (`PASS_DECAY` per decode pass of any width or batch
-size), and one not updated for `4 * explore_every` passes is stale: dropped, and not compared until
-`MIN_PASSES` fresh passes measured it (until then the model, scaled by the last measured ratio, prices it). Were
-the stale sums revived by one pass instead, that pass alone would decide: after a level at another batch size,
-one try accepting a single draft sent the engine back to plain decoding at concurrency 1 for 55-77 passes at a
-time, until the next try. The machine's speed drifts, so speculation measured now is compared with
-plain decoding measured about as recently: plain decoding measured in a slow phase and refreshed once in 32
-speculating steps would otherwise keep a losing width for minutes. A pass slower than `OUTLIER` times the mean
-of its width counts as that (a plain step held up 6x by another process once switched a whole level to a
-losing width). The first speculating step after plain ones is not measured: drafters catch up then on
-everything the plain steps committed (one forward over the whole stretch), a cost paid once per switch, not
-per step; a try therefore speculates for `TRY_PASSES` steps and measures all but the first: `MIN_PASSES`
-passes, so its rate can be compared with plain decoding's at once. (With a single measured pass, a try could
-not outlive staleness: after a level at another batch size the measured rates at concurrency 1 were dropped,
-every try left one pass, stale again by the next try, and the model, scaled by an old ratio, kept plain decoding
-for whole levels while the tries' passes ran 1.75x the plain ones.) The catch-up step's host time is kept apart
-(per batch size) and charged to exploration. Nor is a step where some request's drafter absorbs
-more than a round's tokens (a request joining a speculating batch: EAGLE-3 and draft models take in its prompt
-on its first propose; the engine flags it from `Drafter.backlog`): a one-off per request, not the width's cost.
-"""
+Measured seconds decay with the engine's passes, not with their own updates (`PASS_DECAY` per decode pass of any
+width or batch size), and one not updated for `4 * explore_every` passes is stale: dropped, and not compared until
+`MIN_PASSES` fresh passes measured it (until then the model, scaled by the last measured ratio, prices it). Were the
+stale means revived by one pass instead, that pass alone would decide: after a level at another batch size, one try
+accepting a single draft sent the engine back to plain decoding at concurrency 1 for 55-77 passes at a time, until
+the next try. The machine's speed drifts, so speculation measured now is compared with plain decoding measured about
+as recently: plain decoding measured in a slow phase and refreshed once in 32 speculating steps would otherwise keep
+a losing width for minutes. A pass slower than `OUTLIER` times the mean of its width counts as that (a plain step
+held up 6x by another process once switched a whole level to a losing width). The first speculating step after plain
+ones is not measured: drafters catch up then on everything the plain steps committed (one forward over the whole
+stretch), a cost paid once per switch, not per step; a try therefore speculates for `TRY_PASSES` steps and measures
+all but the first: `MIN_PASSES` passes, so its rate can be compared with plain decoding's at once. (With a single
+measured pass, a try could not outlive staleness: after a level at another batch size the measured rates at
+concurrency 1 were dropped, every try left one pass, stale again by the next try, and the model, scaled by an old
+ratio, kept plain decoding for whole levels while the tries' passes ran 1.75x the plain ones.) The catch-up step's
+host time is kept apart (per batch size) and charged to exploration. Nor is a step where some request's drafter
+absorbs more than a round's tokens (a request joining a speculating batch: EAGLE-3 and draft models take in its
+prompt on its first propose; the engine flags it from `Drafter.backlog`): a one-off per request, not the width's
+cost."""
 
 from __future__ import annotations
 
@@ -111,8 +123,10 @@ class AdaptivePolicy:
         # [j]: decayed count of rounds whose accepted path holds node j+1 / that verified node j+1 (width > j);
         # both start at `prior_rounds` rounds accepting everything: a fresh engine speculates until rounds say
         # otherwise
-        self._on_path = [prior_rounds] * max_width
-        self._offered = [prior_rounds] * max_width
+        # per request class (`streak_class`), so: [class][j]
+        self._on_path = [[prior_rounds] * max_width for _ in range(NUM_CLASSES)]
+        self._offered = [[prior_rounds] * max_width for _ in range(NUM_CLASSES)]
+        self._mix = [1.0] + [0.0] * (NUM_CLASSES - 1)  # share of each class in the current batch (`choose`)
         self._refresh_turn = 0  # which other width the next refresh step measures
         # (batch bucket, width) -> (host seconds per request of a speculating step: drafting, tree masks,
         # verification, KV compaction, commit — everything but the target forward; passes measured): the
@@ -127,23 +141,26 @@ class AdaptivePolicy:
         self._last_width = 0  # the previous choice
         self._catch_up = False  # the current step is the first speculating one after plain ones: not measured
         self._tries_left = 0  # further steps of the current try
-        self._plain_left = 0  # further plain steps of the current refresh
-        self._prev_width = 0  # width of the last pass recorded (a plain pass after a speculating one runs cold)
-        # decode passes per (batch bucket (power of two), width; 0 = plain): sums of tokens, seconds and passes
-        # decayed to the pass clock of the last update, passes measured, that clock
-        self._realized: dict[tuple[int, int], tuple[float, float, float, int, int]] = {}
+        self._refresh_left = 0  # further steps of the current refresh
+        self._refresh_width = 0  # the width the current refresh measures
+        self._settled = 0  # the width the last step outside tries and refreshes chose
+        self._prev_width = 0  # width of the last pass recorded (a pass after one of another width runs cold)
+        # decode passes per (batch bucket (power of two), width; 0 = plain): sums of seconds per request and of
+        # passes decayed to the pass clock of the last update, passes measured, that clock
+        self._realized: dict[tuple[int, int], tuple[float, float, int, int]] = {}
         self._clock = 0  # decode passes recorded
         self._calib: dict[int, float] = {}  # batch bucket -> last median ratio of measured to modelled rates
         self._try_width = max_width  # the width the current try verifies
         self.choices: dict[int, int] = {}  # width -> steps that chose it
 
-    def record_accept(self, path: Sequence[int], width: int) -> None:
-        """A request's round verified its first `width` draft nodes and accepted the nodes `path` (their tree
-        indices, root excluded: a chain's are 1..k)."""
+    def record_accept(self, path: Sequence[int], width: int, cls: int = 0) -> None:
+        """A request of class `cls` (`streak_class`) verified its first `width` draft nodes in a round and
+        accepted the nodes `path` (their tree indices, root excluded: a chain's are 1..k)."""
         on = set(path)
+        offered, on_path = self._offered[cls], self._on_path[cls]
         for j in range(min(width, self.max_width)):
-            self._offered[j] = self._offered[j] * self.decay + 1.0
-            self._on_path[j] = self._on_path[j] * self.decay + (1.0 if j + 1 in on else 0.0)
+            offered[j] = offered[j] * self.decay + 1.0
+            on_path[j] = on_path[j] * self.decay + (1.0 if j + 1 in on else 0.0)
 
     def record_draft(self, seconds_per_request: float, width: int | None = None, batch: int = 1,
                      catch_up: bool = False) -> None:
@@ -193,24 +210,26 @@ class AdaptivePolicy:
             return
         self._plain_s = 0.9 * self._plain_s + 0.1 * seconds_per_request if self._plain_s else seconds_per_request
 
-    def record_pass(self, batch: int, width: int, tokens: float, seconds: float, catch_up: bool = False) -> None:
+    def record_pass(self, batch: int, width: int, seconds: float, catch_up: bool = False) -> None:
         """A decode pass of `batch` requests verifying `width` drafts each (0 = plain decoding; drafting,
-        forward, verification) produced `tokens` in `seconds`; `catch_up` as for `record_draft`."""
+        forward, verification) took `seconds`; `catch_up` as for `record_draft`."""
         self._clock += 1
-        after_spec, self._prev_width = self._prev_width > 0, width
-        if seconds <= 0 or (width > 0 and (self._catch_up or catch_up)) or (width == 0 and after_spec):
+        switched, self._prev_width = self._prev_width != width, width
+        if seconds <= 0 or switched or (width > 0 and catch_up):
             return
         bucket = _bucket(batch)
-        t, s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0.0, 0, self._clock))
+        per_request = seconds / batch
+        s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0, self._clock))
         if self._stale(at):
-            t, s, m, n = 0.0, 0.0, 0.0, 0  # stale: measured afresh, MIN_PASSES passes before it is compared
+            s, m, n = 0.0, 0.0, 0  # stale: measured afresh, MIN_PASSES passes before it is compared
         if n >= MIN_PASSES:  # a pass slowed by something else (another process, a collection) counts as 3 average
-            seconds = min(seconds, OUTLIER * s / m)
+            per_request = min(per_request, OUTLIER * s / m)
         keep = PASS_DECAY ** (self._clock - at)
-        t, s = keep * t + tokens, keep * s + seconds
-        self._realized[(bucket, width)] = (t, s, keep * m + 1.0, n + 1, self._clock)
-        plain, spec = self.realized(batch, 0), t / s  # spec: as measured so far, even by one try's pass
+        s, m = keep * s + per_request, keep * m + 1.0
+        self._realized[(bucket, width)] = (s, m, n + 1, self._clock)
+        plain = self.realized(batch, 0)
         if width > 0 and plain is not None:  # back off tries where speculation keeps losing
+            spec = self.expected_tokens(width) * m / s  # as measured so far, even by one try's pass
             gap = self._explore_gap.get(bucket, self.explore_every)
             self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
@@ -219,23 +238,40 @@ class AdaptivePolicy:
         return self._clock - at > self._stale_after
 
     def realized(self, batch: int, width: int) -> float | None:
-        """Output tokens/s measured for decode passes of this width at this batch size (its power-of-two
-        bucket); None until `MIN_PASSES` were measured (one pass can be a request's last, cut short), and again
-        once the last one is stale (`4 * explore_every` passes old)."""
+        """Output tokens/s of decode passes of this width at this batch size (its power-of-two bucket): the
+        acceptance model's tokens per request and pass over the measured seconds per request and pass; None
+        until `MIN_PASSES` passes were measured (the first can pay one-time costs), and again once the last one
+        is stale (`4 * explore_every` passes old)."""
+        seconds = self._pass_seconds(batch, width)
+        return None if seconds is None else self.expected_tokens(width) / seconds
+
+    def _pass_seconds(self, batch: int, width: int) -> float | None:
+        """Measured seconds per request of a decode pass of this width at this batch size (see `realized`)."""
         sums = self._realized.get((_bucket(batch), width))
-        if sums is None or sums[3] < MIN_PASSES or self._stale(sums[4]):
+        if sums is None or sums[2] < MIN_PASSES or self._stale(sums[3]):
             return None
         return sums[0] / sums[1]
 
-    def expected_tokens(self, width: int) -> float:
-        """1 + the expected number of accepted drafts when rounds verify their first `width` nodes."""
-        return self._expected_all()[width]
+    def rounds(self, cls: int) -> float:
+        """Decayed count of rounds recorded for requests of class `cls` (the prior's pseudo-rounds included)."""
+        return self._offered[cls][0]
 
-    def _expected_all(self) -> list[float]:
+    def expected_tokens(self, width: int, cls: int | None = None) -> float:
+        """1 + the expected number of accepted drafts when rounds verify their first `width` nodes: for a
+        request of class `cls`, or (None) averaged over the current batch's requests."""
+        return self._expected_all(cls)[width]
+
+    def _expected_all(self, cls: int | None = None) -> list[float]:
         """`expected_tokens` of every width 0..max_width: running sums of P(node j on the accepted path)."""
+        mix = self._mix if cls is None else [1.0 if c == cls else 0.0 for c in range(NUM_CLASSES)]
+        p = [0.0] * self.max_width
+        for share, on_path, offered in zip(mix, self._on_path, self._offered, strict=True):
+            if share:
+                for j, (a, n) in enumerate(zip(on_path, offered, strict=True)):
+                    p[j] += share * (a / n if n > 0 else 0.0)
         out = [1.0]
-        for a, n in zip(self._on_path, self._offered, strict=True):
-            out.append(out[-1] + (a / n if n > 0 else 0.0))
+        for pj in p:
+            out.append(out[-1] + pj)
         return out
 
     def rate(self, batch: int, width: int) -> float:
@@ -269,7 +305,9 @@ class AdaptivePolicy:
         outlives its measurements), so one optimistic model does not send the engine through every width in turn.
         `model`: `rates(batch)` where the caller has it already."""
         model = self.rates(batch) if model is None else model
-        measured = [self.realized(batch, w) for w in range(self.max_width + 1)]
+        expected = self._expected_all()
+        seconds = [self._pass_seconds(batch, w) for w in range(self.max_width + 1)]
+        measured = [None if s is None else e / s for e, s in zip(expected, seconds, strict=True)]
         ratios = sorted(m / model[w] for w, m in enumerate(measured) if w > 0 and m is not None and model[w] > 0)
         bucket = _bucket(batch)
         if ratios:
@@ -277,13 +315,20 @@ class AdaptivePolicy:
         calib = self._calib.get(bucket, 1.0)  # where no width is measured now: the last ratio seen
         return [m if m is not None else model[w] * (calib if w > 0 else 1.0) for w, m in enumerate(measured)]
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, classes: Sequence[int] = ()) -> int:
+        """Draft tokens to verify per request in the next step of `batch` requests; `classes`: their
+        `streak_class`es (empty: all new)."""
         max_width = self.max_width
         if batch == 0:
             return 0
-        if self._plain_left > 0:  # the measured step of a refresh to plain decoding
-            self._plain_left -= 1
-            best = 0
+        counts = [0] * NUM_CLASSES
+        for c in classes:
+            counts[c] += 1
+        total = sum(counts)
+        self._mix = [n / total for n in counts] if total else [1.0] + [0.0] * (NUM_CLASSES - 1)
+        if self._refresh_left > 0:  # the measured step of a refresh
+            self._refresh_left -= 1
+            best = self._refresh_width
         elif self._tries_left > 0:
             self._tries_left -= 1
             best = self._try_width
@@ -294,10 +339,13 @@ class AdaptivePolicy:
             scores = self.scores(batch, model)
             modelled = max(range(max_width + 1), key=model.__getitem__)
             best = max(range(max_width + 1), key=scores.__getitem__)
+            if best != self._settled and scores[best] < (1 + SWITCH_MARGIN / batch) * scores[self._settled]:
+                best = self._settled  # a switch runs the next pass cold: worth it only for a clear gain
             if best > 0 and self.realized(batch, best) is not None and self.realized(batch, 0) is None:
                 best = 0  # measured speculation is compared with measured plain decoding: measure it
             elif best > 0 and self._last_width == 0 and not self._repays_catch_up(batch, best, scores):
                 best = 0
+            self._settled = best
             if best == 0:
                 # a try re-measures the width the model prefers, or the full width where it prefers plain
                 if self._explore(batch, modelled or max_width):
@@ -329,10 +377,9 @@ class AdaptivePolicy:
         self._model_streak = 0
         others = [w for w in dict.fromkeys((0, modelled, self.max_width)) if w != best]
         self._refresh_turn = (self._refresh_turn + 1) % len(others)
-        width = others[self._refresh_turn]
-        if width == 0:  # the first plain pass after speculation runs cold: measure a second one
-            self._plain_left = REFRESH_PLAIN_PASSES - 1
-        return width
+        self._refresh_width = others[self._refresh_turn]
+        self._refresh_left = REFRESH_PASSES - 1  # the first pass after a switch runs cold: measure a second one
+        return self._refresh_width
 
     def _explore(self, batch: int, w: int) -> bool:
         """Plain decoding was picked: try width `w` now? (See the module docstring.)"""
@@ -350,9 +397,25 @@ class AdaptivePolicy:
             return False
         return batch * (w + 1) / spec_s > plain_rate  # could win, with every draft accepted
 
+NUM_CLASSES = 4  # of `streak_class`
+
+
+def streak_class(last_accepted: int | None) -> int:
+    """A request's class for the acceptance model, from the drafts its last decided round accepted (None: no
+    round yet). Acceptance runs in streaks: the demo's coding prompts under NGRAM, a round after one that
+    accepted nothing accepts 0.45 drafts on average, after one that accepted 3 or more 5.8
+    (`runs/s19/ngram_phases.json`)."""
+    if last_accepted is None:
+        return 0
+    return 1 if last_accepted == 0 else 2 if last_accepted < 3 else 3
+
+
 MIN_PASSES = 3  # passes of a width measured before its rate is compared with plain decoding's
 TRY_PASSES = 1 + MIN_PASSES  # steps of a try: the drafters' catch-up, then enough measured ones to compare
-REFRESH_PLAIN_PASSES = 2  # plain steps of a refresh while speculating: the first runs cold, the second is measured
+REFRESH_PASSES = 2  # steps of a refresh while speculating: the first runs cold, the second is measured
+# a width other than the settled one must promise this much more / batch to be switched to: the cold pass
+# weighs most in small passes, and at small batch sizes the batch's acceptance classes change from step to step
+SWITCH_MARGIN = 0.1
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
 OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass time of its width and batch size
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.adaptive import AdaptivePolicy
+from specserve.engine.adaptive import AdaptivePolicy, streak_class
 from specserve.engine.drafting import draft_trees
 from specserve.engine.engine_config import EngineConfig, EngineCounters, StepOutput
 from specserve.engine.pass_log import PassLog
@@ -47,6 +47,7 @@ class _Request:
     generator: torch.Generator
     checker: StopChecker
     drafter: Drafter | None = None
+    last_accepted: int | None = None  # drafts its last decided round accepted (verified or shadow)
 
 
 class BatchEngine:
@@ -162,7 +163,15 @@ class BatchEngine:
             return 0
         if self.policy is None:
             return self.max_draft
-        return self.policy.choose(self.scheduler.num_running)
+        classes = [self._class(r) for r in (self._requests.get(s.request_id) for s in self.scheduler.running)
+                   if r is not None]
+        return self.policy.choose(self.scheduler.num_running, classes)
+
+    def _class(self, req: _Request) -> int:
+        """The request's acceptance class for the policy (`streak_class`). Only where shadow rounds keep every
+        request's acceptance current: a request decoded plainly would otherwise keep the class of its last
+        verified round (often one that accepted nothing, which sent it to plain decoding) until a try."""
+        return streak_class(req.last_accepted) if self.shadow is not None else 0
 
     def _context(self, seq: Sequence, length: int) -> list[int]:
         """Slots of positions [0, length) of `seq` (a list: the runner converts a batch's rows at once)."""
@@ -244,10 +253,13 @@ class BatchEngine:
             outs += out
             verified += n
         if self.policy is not None and self.shadow is not None:  # see engine/shadow.py
-            live = [(r.seq.request_id, r.seq.token_ids, r.drafter)
+            live = [(r.seq.request_id, r.seq.token_ids, r.drafter, self._class(r))
                     for r in (self._requests.get(i.seq.request_id) for i in items) if r is not None]
-            for path in self.shadow.after_step(live, set(self._requests), plain=k == 0, width=self.max_draft):
-                self.policy.record_accept(path, self.max_draft)
+            for rid, path, decided, cls in self.shadow.after_step(live, set(self._requests), k == 0, self.max_draft):
+                if decided:  # class: the request's when the round began
+                    self.policy.record_accept(path, self.max_draft, cls)
+                if decided or path:  # a round still open has accepted at least its path so far
+                    self._requests[rid].last_accepted = len(path)
         elapsed = time.perf_counter() - t0  # the shadow rounds' cost counts in the pass's time
         forward = self.counters.forward_s - f0
         if self.pass_log is not None:
@@ -258,7 +270,7 @@ class BatchEngine:
                 self.policy.record_draft(host, k, len(items), catch_up)
             else:
                 self.policy.record_plain(host)
-            self.policy.record_pass(len(items), k, verified, elapsed, catch_up)
+            self.policy.record_pass(len(items), k, elapsed, catch_up)
         return outs
 
     def _greedy_picks(self, items: tuple[DecodeItem, ...], trees: list[DraftTree | None],
@@ -307,7 +319,8 @@ class BatchEngine:
             for i in range(len(v.accepted)):
                 c.position_accepted[i] += 1
             if self.policy is not None:
-                self.policy.record_accept(v.accepted, item.num_draft_tokens)
+                self.policy.record_accept(v.accepted, item.num_draft_tokens, self._class(req))
+                req.last_accepted = len(v.accepted)
         hidden = res.captured[path] if res.captured is not None else None
         return self._advance(req, tokens, hidden, v.bonus), len(path)
 

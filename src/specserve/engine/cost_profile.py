@@ -39,7 +39,22 @@ class CostProfile:
     def load(cls, path: Path) -> CostProfile:
         d = json.loads(path.read_text())
         return cls(d["key"], tuple(d["batch_sizes"]), tuple(d["widths"]),
-                   tuple(tuple(float(x) for x in r) for r in d["seconds"]))
+                   monotone([[float(x) for x in r] for r in d["seconds"]]))
+
+
+def monotone(seconds: list[list[float]]) -> tuple[tuple[float, ...], ...]:
+    """The grid [batch][q] with each time cut to the least of the times of larger shapes (batch and q both at
+    least its own). More rows cost at least as much, and noise only ever adds time, so a measurement above a
+    larger shape's is noise: a slow stretch during one shape (a batch-1 profile read 18.4 ms at q = 9 between
+    7.2 ms at q = 5 and 10.5 ms at q = 12) would otherwise price every width around it out."""
+    grid = [list(r) for r in seconds]
+    for i in range(len(grid) - 1, -1, -1):
+        for j in range(len(grid[i]) - 1, -1, -1):
+            if j + 1 < len(grid[i]):
+                grid[i][j] = min(grid[i][j], grid[i][j + 1])
+            if i + 1 < len(grid):
+                grid[i][j] = min(grid[i][j], grid[i + 1][j])
+    return tuple(tuple(r) for r in grid)
 
 
 def _interp(xs: tuple[int, ...], ys: list[float], x: int) -> float:
@@ -58,8 +73,9 @@ def measure_profile(
     forward: Callable[[int, int], None], key: str, batch_sizes: list[int], widths: list[int], repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
 ) -> CostProfile:
-    """forward(batch, q) runs one target forward of that shape; the fastest of `repeats` after a warm-up."""
-    grid: list[tuple[float, ...]] = []
+    """forward(batch, q) runs one target forward of that shape; the fastest of `repeats` after a warm-up, the
+    grid then made `monotone`."""
+    grid: list[list[float]] = []
     total, done = len(batch_sizes) * len(widths), 0
     for b in batch_sizes:
         row: list[float] = []
@@ -74,5 +90,5 @@ def measure_profile(
             done += 1
             if progress is not None:
                 progress(done, total)
-        grid.append(tuple(row))
-    return CostProfile(key, tuple(batch_sizes), tuple(widths), tuple(grid))
+        grid.append(row)
+    return CostProfile(key, tuple(batch_sizes), tuple(widths), monotone(grid))

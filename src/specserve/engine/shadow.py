@@ -18,9 +18,10 @@ from specserve.spec.drafter import Drafter
 from specserve.spec.tree import DraftTree
 
 
-def walk(tree: DraftTree, following: list[int]) -> list[int] | None:
-    """Node indices (root excluded) the emitted `following` tokens accept, or None while undecided: the walk
-    stops at the first token that is not a child of the current node, or at a node without children."""
+def walk(tree: DraftTree, following: list[int]) -> tuple[list[int], bool]:
+    """Node indices (root excluded) the emitted `following` tokens accept, and whether that is decided: the walk
+    stops at the first token that is not a child of the current node, or at a node without children; until one
+    of those, the path so far (the round's accepted path starts with it) and False."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     children: dict[int, dict[int, int]] = {}
     for node in range(1, len(tokens)):
@@ -30,17 +31,18 @@ def walk(tree: DraftTree, following: list[int]) -> list[int] | None:
     for t in following:
         nxt = children.get(node, {}).get(t)
         if nxt is None:
-            return path
+            return path, True
         path.append(nxt)
         node = nxt
-    return path if node not in children else None
+    return path, node not in children
 
 
 class ShadowRounds:
     """Unverified draft trees waiting for the tokens that decide them, one per request at most."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[DraftTree, int]] = {}  # request id -> (tree, tokens before its root's next)
+        # request id -> (tree, tokens before its root's next, the caller's tag when it opened)
+        self._open: dict[str, tuple[DraftTree, int, int]] = {}
         self._turn = 0
         self.decided = 0  # trees whose accepted path is known (counted for tests and metrics)
 
@@ -55,39 +57,40 @@ class ShadowRounds:
         self._turn += 1
         return free[self._turn % len(free)]
 
-    def open(self, request_id: str, tree: DraftTree, num_tokens: int) -> None:
-        """`tree` is rooted at the request's last token; `num_tokens` its tokens so far (prompt included)."""
-        self._open[request_id] = (tree, num_tokens)
+    def open(self, request_id: str, tree: DraftTree, num_tokens: int, tag: int = 0) -> None:
+        """`tree` is rooted at the request's last token; `num_tokens` its tokens so far (prompt included); `tag`
+        is handed back with its walks (the engine's: the request's acceptance class when the round began)."""
+        self._open[request_id] = (tree, num_tokens, tag)
 
-    def close(self, request_id: str, token_ids: list[int]) -> list[int] | None:
-        """The accepted path once `token_ids` (the request's tokens now) decide it (the tree is then closed);
-        None while undecided."""
-        tree, start = self._open[request_id]
-        path = walk(tree, token_ids[start:])
-        if path is not None:
+    def close(self, request_id: str, token_ids: list[int]) -> tuple[list[int], bool, int]:
+        """`walk` of the request's tree along `token_ids` (its tokens now), and its tag; a decided tree is
+        closed."""
+        tree, start, tag = self._open[request_id]
+        path, decided = walk(tree, token_ids[start:])
+        if decided:
             del self._open[request_id]
             self.decided += 1
-        return path
+        return path, decided, tag
 
     def drop_except(self, live: set[str]) -> None:
         """Forget trees of requests that finished or were aborted."""
         for rid in [r for r in self._open if r not in live]:
             del self._open[rid]
 
-    def after_step(self, live: Sequence[tuple[str, list[int], Drafter | None]], running: set[str], plain: bool,
-                   width: int) -> list[list[int]]:
-        """After an engine decode step: `live` = (request id, its tokens now, its drafter) of the step's requests
-        still running, `running` every running request's id. Returns the accepted paths of the trees this
-        step's tokens decided; after a plain step, one more request (in turn) drafts a tree of `width` nodes."""
+    def after_step(self, live: Sequence[tuple[str, list[int], Drafter | None, int]], running: set[str],
+                   plain: bool, width: int) -> list[tuple[str, list[int], bool, int]]:
+        """After an engine decode step: `live` = (request id, its tokens now, its drafter, a tag for a tree it
+        opens) of the step's requests still running, `running` every running request's id. Returns (request id,
+        `walk`, the tree's tag) of every open tree of
+        `live` (decided ones closed: their paths are final; the others' are where their round has got to); after
+        a plain step, one more request (in turn) drafts a tree of `width` nodes."""
         decided = []
-        for rid, token_ids, _ in live:
+        for rid, token_ids, _, _ in live:
             if rid in self:
-                path = self.close(rid, token_ids)
-                if path is not None:
-                    decided.append(path)
+                decided.append((rid, *self.close(rid, token_ids)))
         self.drop_except(running)
-        turn = self.pick([rid for rid, _, _ in live]) if plain else None
-        for rid, token_ids, drafter in live:
+        turn = self.pick([rid for rid, _, _, _ in live]) if plain else None
+        for rid, token_ids, drafter, tag in live:
             if rid == turn and drafter is not None:
-                self.open(rid, drafter.propose(token_ids[-1], width), len(token_ids))
+                self.open(rid, drafter.propose(token_ids[-1], width), len(token_ids), tag)
         return decided
