@@ -16,7 +16,8 @@ For b running requests the policy scores every candidate width w (0 = plain deco
 and takes the best. A request's class (`streak_class`) is what its last decided round accepted: none yet, 0 drafts,
 1-2, 3 or more. Acceptance runs in streaks: under n-gram lookup on the demo's coding prompts a request's first
 rounds accept nothing, and once its text repeats nearly every round accepts the whole chain; a round after one that
-accepted nothing accepted 0.45 drafts on average, one after 3 or more 5.8. One average over all rounds priced the
+accepted nothing accepts 0.54 drafts on average, one after 3 or more 5.78 (`benchmarks/ngram_streaks.py`: full-width
+rounds replayed on greedy outputs, 64 tokens, the 32 served prompts). One average over all rounds priced the
 deep nodes at the first phase's acceptance while the loops ran (and rounds cut to a few nodes never measured them
 again). Classes are used where shadow rounds (below) keep every request's current: a request decoded plainly
 otherwise keeps the class of its last verified round until a try. Cutting a round to its first w nodes keeps exactly
@@ -49,11 +50,11 @@ speculating pass against 3.53 ms after a plain one, NGRAM's 5.5 ms against 5.0),
 Measured, those passes made plain decoding look slower than it runs once it is chosen, and kept losing
 speculation on: NGRAM at temperature 0.7 and concurrency 16 speculated at ~0.8x the plain server. So a refresh
 takes two steps (`REFRESH_PASSES`) and measures the second. The cold pass is also why the policy keeps the width
-it settled on unless another promises more than `SWITCH_MARGIN` / batch over it (at batch 1, 10%): in process
-at concurrency 1, a fixed full-width NGRAM engine's 12-row passes ran 1.06-1.23x a plain engine's plain ones,
-while an engine switching between widths step by step paid 1.3-1.5x for the same shapes
-(`benchmarks/inprocess_levels.py`). At larger batches a cold pass weighs less in a pass, and the batch's mix of
-classes changes slowly, so the margin shrinks with the batch.
+it settled on unless another promises more than `SWITCH_MARGIN` / batch over it (at batch 1, 10%). In process at
+concurrency 1 (`python benchmarks/inprocess_levels.py --config NGRAM --modes fixed,adaptive --concurrency 1
+--rounds 2 --threads 2`) a fixed full-width engine's 12-row passes took 4.76 ms against the plain engine's 3.37,
+the adaptive engine's (switching between widths) 5.02 ms, and its 7-row ones 5.33. At larger batches a cold pass
+weighs less in a pass, and the batch's mix of classes changes slowly, so the margin shrinks with the batch.
 
 Host time is measured per batch bucket and width, and the first passes of a new shape can pay one-time costs
 (in bf16 on CPU oneDNN compiles a kernel for every new matrix shape: a first pass at batch 4 took 98 ms where
@@ -402,9 +403,9 @@ NUM_CLASSES = 4  # of `streak_class`
 
 def streak_class(last_accepted: int | None) -> int:
     """A request's class for the acceptance model, from the drafts its last decided round accepted (None: no
-    round yet). Acceptance runs in streaks: the demo's coding prompts under NGRAM, a round after one that
-    accepted nothing accepts 0.45 drafts on average, after one that accepted 3 or more 5.8
-    (`runs/s19/ngram_phases.json`)."""
+    round yet). Acceptance runs in streaks: on the demo's coding prompts under NGRAM a round after one that
+    accepted nothing accepts 0.54 drafts on average, after one that accepted 3 or more 5.78
+    (`python benchmarks/ngram_streaks.py`)."""
     if last_accepted is None:
         return 0
     return 1 if last_accepted == 0 else 2 if last_accepted < 3 else 3
