@@ -21,6 +21,11 @@ requests of those prompts (shuffled with seed 0, cycled), --output-len tokens ea
 configuration generates the same number of tokens), at --temperature (sampled requests carry seed 0).
 A level's tok/s is the median over the rounds, its ratio to NONE the median of the per-round ratios (each
 against the NONE level of the same round); the rounds' own figures are kept beside them.
+With --against-src DIR every speculative configuration also runs a second time from another source tree
+(`CONFIG adaptive @against`: the server's PYTHONPATH is DIR, e.g. the `src` of a `git worktree` of an earlier
+commit), so a change is measured against what it replaces in the same run, round by round: each level of the
+tree's variant gets `ratio_to_against`, the median of its per-round ratios to the @against variant. Goals are
+judged on the tree's variants only.
 
 Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
 the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
@@ -56,6 +61,7 @@ from specserve.bench.tune import log_tail, start_server, stop_server
 from specserve.config import SpeculativeConfig
 
 BASELINE = "NONE"
+AGAINST = "@against"  # name suffix of the variants run from --against-src
 SERVED_NAME = "bench"
 SEED = 0
 
@@ -66,6 +72,7 @@ class Variant:
     config: str | None  # the --config text; None for NONE
     adaptive: bool | None  # None for NONE
     serve_args: tuple[str, ...]
+    src: str | None = None  # a source tree the server runs from (PYTHONPATH) instead of the installed package
 
 
 def speculative_flags(spec: SpeculativeConfig) -> list[str]:
@@ -86,9 +93,9 @@ def speculative_flags(spec: SpeculativeConfig) -> list[str]:
 
 
 def plan_variants(model: str, configs: list[str], extra: list[str],
-                  modes: tuple[str, ...] = ("fixed", "adaptive")) -> list[Variant]:
-    """NONE, then each config fixed, then each config adaptive (those of `modes`); ValueError naming a bad
-    --config."""
+                  modes: tuple[str, ...] = ("fixed", "adaptive"), against: str | None = None) -> list[Variant]:
+    """NONE, then each config fixed, then each config adaptive (those of `modes`), each followed by its run
+    from `against` if given; ValueError naming a bad --config."""
     common = [*extra, "--served-model-name", SERVED_NAME]  # the client asks for this name
     variants = [Variant(BASELINE, None, None, (*common, "--speculative-algorithm", "NONE"))]
     resolved = []
@@ -102,6 +109,8 @@ def plan_variants(model: str, configs: list[str], extra: list[str],
             switch = "--speculative-adaptive" if adaptive else "--no-speculative-adaptive"
             name = f"{text} {'adaptive' if adaptive else 'fixed'}"
             variants.append(Variant(name, text, adaptive, (*common, *flags, switch)))
+            if against is not None:
+                variants.append(Variant(f"{name} {AGAINST}", text, adaptive, (*common, *flags, switch), against))
     return variants
 
 
@@ -133,14 +142,15 @@ def start_all(variants: list[Variant], args: argparse.Namespace, logs: Path, liv
         passes = logs / f"{stem}.passes.jsonl"  # every engine pass: batch, width, tokens, time (prefills too)
         if args.out:
             serve_args += ["--speculative-adaptive-trace", str(passes)]
-        entry: dict[str, Any] = {"name": v.name, "config": v.config, "adaptive": v.adaptive,
+        entry: dict[str, Any] = {"name": v.name, "config": v.config, "adaptive": v.adaptive, "src": v.src,
                                  "serve_args": list(v.serve_args), "server_log": str(log) if args.out else None,
                                  "pass_log": str(passes) if args.out else None,
                                  "error": None, "levels": {}}
         entries.append(entry)
         print(f"{v.name}: starting the server (log {log})", file=sys.stderr, flush=True)
         try:
-            proc, url = start_server(args.model, serve_args, log, args.server_timeout)
+            env = {**os.environ, "PYTHONPATH": v.src} if v.src else None
+            proc, url = start_server(args.model, serve_args, log, args.server_timeout, env)
         except RuntimeError as e:
             entry["error"] = f"{e}\n{log_tail(log)}"
             print(f"{v.name}: {entry['error']}", file=sys.stderr, flush=True)
@@ -226,27 +236,33 @@ def _median(values: list[float | None]) -> float | None:
 
 def summarize(live: list[Live]) -> None:
     """Each entry's levels: per round the figures, as the level's figure their median; the ratio to NONE is
-    the median of the per-round ratios (each round's NONE level ran beside the configuration's)."""
+    the median of the per-round ratios (each round's NONE level ran beside the configuration's), and so is a
+    tree variant's ratio to its @against twin (--against-src)."""
     base = next((s for s in live if s.variant.name == BASELINE), None)
+    twins = {s.variant.name: s for s in live if s.variant.src is not None}
     for s in live:
+        against = twins.get(f"{s.variant.name} {AGAINST}")
         for c, rounds in s.rounds.items():
             per = [summarize_level(level) for level in rounds]
-            plain = [summarize_level(level)["output_tok_s"] for level in base.rounds.get(c, [])] if base else []
             tps = [p["output_tok_s"] for p in per]
-            ratios: list[float | None] = [t / b if t is not None and b else None
-                                          for t, b in zip(tps, plain, strict=False)]
             fractions = [p["spec_step_fraction"] for p in per if p["spec_step_fraction"] is not None]
             accepts = [p["accept_length"] for p in per if p["accept_length"] is not None]
-            s.entry["levels"][str(c)] = {
+            level = s.entry["levels"][str(c)] = {
                 **per[-1], "output_tok_s": _median(tps), "rounds_output_tok_s": tps,
-                "ratio_to_plain": _median(ratios) if len(ratios) == len(tps) else None,
-                "rounds_ratio_to_plain": ratios,
                 "accept_length": statistics.mean(accepts) if accepts else None,
                 "spec_step_fraction": statistics.mean(fractions) if fractions else None,
                 "completed": sum(p["completed"] for p in per), "num_requests": sum(p["num_requests"] for p in per),
                 "errors": sum(p["errors"] for p in per),
                 "error_messages": [m for p in per for m in p["error_messages"]],
             }
+            for key, other in (("plain", base), ("against", against)):
+                if other is None:
+                    continue
+                theirs = [summarize_level(lv)["output_tok_s"] for lv in other.rounds.get(c, [])]
+                ratios: list[float | None] = [t / b if t is not None and b else None
+                                              for t, b in zip(tps, theirs, strict=False)]
+                level[f"ratio_to_{key}"] = _median(ratios) if len(ratios) == len(tps) else None
+                level[f"rounds_ratio_to_{key}"] = ratios
 
 
 def _tps(entry: dict[str, Any], c: int) -> float | None:
@@ -261,7 +277,7 @@ def goals(entries: list[dict[str, Any]], concurrency: list[int]) -> tuple[float 
     out: dict[str, Any] = {"plain_c16_ge_6x_plain_c1": None if batching is None else batching >= 6.0,
                            "adaptive": {}}
     for e in entries:
-        if not e["adaptive"]:
+        if not e["adaptive"] or e["src"] is not None:
             continue
         ratios = [e["levels"].get(str(c), {}).get("ratio_to_plain") for c in concurrency]
         every = None if any(r is None for r in ratios) else all(r >= 1.0 for r in ratios if r is not None)
@@ -291,12 +307,17 @@ def markdown(report: dict[str, Any]) -> str:
             if not lv:
                 cells.append("failed" if e["error"] else "-")
                 continue
-            ratio = "" if lv["ratio_to_plain"] is None else f" ({lv['ratio_to_plain']:.2f}×)"
+            ratio = "" if lv.get("ratio_to_plain") is None else f" ({lv['ratio_to_plain']:.2f}×)"
             accept = "" if lv["accept_length"] is None else f" · {lv['accept_length']:.2f}"
             share = lv.get("spec_step_fraction")
             spec = "" if share is None or e["config"] == "NONE" else f" · {share:.0%}"
             cells.append(f"{_num(lv['output_tok_s'], '.1f')}{ratio}{accept}{spec}")
         lines.append(f"| {e['name']} | " + " | ".join(cells) + " |")
+    pairs = [e for e in report["configs"] if any("ratio_to_against" in lv for lv in e["levels"].values())]
+    if pairs:
+        lines += ["", f"Against `{report['against_src']}` (median of the per-round ratios to the @against twin):", ""]
+        lines += [f"- `{e['name']}`: " + ", ".join(
+            f"c={c} {_num(e['levels'].get(str(c), {}).get('ratio_to_against'), '.2f')}×" for c in cs) for e in pairs]
     g = report["goals"]
     lines += ["", f"Batching (NONE c=16 / c=1): {_num(report['batching_ratio_plain_c16_over_c1'], '.2f')}× "
               f"(goal ≥ 6×: {g['plain_c16_ge_6x_plain_c1']})", ""]
@@ -323,6 +344,9 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--modes", default="fixed,adaptive", help="which speculative variants to run besides NONE")
     ap.add_argument("--extra-serve-args", default="", help="appended to every `specserve serve`, e.g. '--device cpu'")
+    ap.add_argument("--against-src", default=None,
+                    help="also run every speculative configuration from this source tree (PYTHONPATH), e.g. the "
+                         "src/ of a `git worktree` of an earlier commit, and compare round by round")
     ap.add_argument("--server-timeout", type=float, default=900.0,
                     help="seconds a server gets to answer /health (an adaptive server may profile first)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here and a markdown table beside it")
@@ -336,7 +360,10 @@ def main() -> int:
         modes = tuple(m.strip() for m in a.modes.split(","))
         if not modes or any(m not in ("fixed", "adaptive") for m in modes):
             raise ValueError(f"--modes {a.modes!r}: a comma-separated subset of fixed,adaptive")
-        variants = plan_variants(a.model, a.config or ["NGRAM"], shlex.split(a.extra_serve_args), modes)
+        if a.against_src is not None and not (Path(a.against_src) / "specserve").is_dir():
+            raise ValueError(f"--against-src {a.against_src}: no specserve package there (give a tree's src/)")
+        variants = plan_variants(a.model, a.config or ["NGRAM"], shlex.split(a.extra_serve_args), modes,
+                                 a.against_src)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -357,8 +384,8 @@ def main() -> int:
         "concurrency": a.concurrency, "rounds": a.rounds,
         "requests_per_level": {str(c): level_count(a.num_prompts, c) for c in a.concurrency},
         "output_len": a.output_len, "temperature": a.temperature, "dataset": "coding", "ignore_eos": True,
-        "extra_serve_args": a.extra_serve_args, "machine": platform.machine(), "cpus": os.cpu_count(),
-        "torch": torch.__version__,
+        "extra_serve_args": a.extra_serve_args, "against_src": a.against_src, "machine": platform.machine(),
+        "cpus": os.cpu_count(), "torch": torch.__version__,
         "configs": entries, "batching_ratio_plain_c16_over_c1": batching, "goals": goal,
     }
     text = json.dumps(report, indent=2)

@@ -153,13 +153,15 @@ def log_tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def start_server(model: str, extra: Sequence[str], log: Path, timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
-    """`specserve serve` on a free port, once /health answers 200; RuntimeError with the log tail otherwise."""
+def start_server(model: str, extra: Sequence[str], log: Path, timeout_s: float,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`specserve serve` on a free port, once /health answers 200; RuntimeError with the log tail otherwise.
+    `env`: the server's environment (default: this process's)."""
     port = free_port()
     cmd = [sys.executable, "-m", "specserve.server.cli", "--model", model, *extra, "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning"]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     try:
