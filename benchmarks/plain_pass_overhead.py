@@ -37,7 +37,7 @@ def start(llm: LLM, batch: int, temperature: float, prompts: list[list[int]], ho
     eng = build_batch_engine(llm, EngineConfig(max_num_seqs=max(batch, 1)), adaptive=hold_plain)
     if hold_plain:
         assert eng.policy is not None
-        eng.policy.choose = lambda b: 0  # decode plainly, as the policy may
+        eng.policy.choose = lambda b, classes=(): 0  # decode plainly, as the policy may
     for i in range(batch):
         eng.add_request(str(i), prompts[i % len(prompts)],
                         SamplingParams(max_new_tokens=1_000_000, ignore_eos=True, temperature=temperature, seed=i))
