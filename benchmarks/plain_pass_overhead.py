@@ -9,7 +9,9 @@ capture states at every pass, every drafter takes in each accepted token, n-gram
 rounds. Served levels (`serving_concurrency.py`) run minutes apart on a machine whose speed drifts, which hides
 a few percent; here one process holds every engine (one per --config, policy held at width 0, and a plain
 engine), each with --batch running requests of the coding prompts, and runs them in interleaved blocks of
---steps decode steps for --rounds rounds, so drift hits all alike.
+--steps decode steps for --rounds rounds, so drift hits all alike. Give one --config per run for the overhead
+itself: with several engines in one process the later ones of a round pay for the others' weights in the caches
+(at --batch 32, four configs showed 1.14-1.26x for every speculative engine; one at a time 0.97-1.05x).
 
 Prints ONE JSON object: per engine the median step time over the blocks, its target-forward and host parts (ms),
 and the step time's ratio to the plain engine's.
