@@ -1,7 +1,6 @@
 """What a speculative engine costs while it decodes plainly: its plain passes against the plain engine's.
 
-    python benchmarks/plain_pass_overhead.py --model demo --config NGRAM --config EAGLE3 --config DFLASH \
-        --batch 32 --temperature 0.7
+    python benchmarks/plain_pass_overhead.py --model demo --config EAGLE3 --batch 32 --temperature 0.7
 
 Adaptive speculation decodes plainly wherever drafting does not pay (high concurrency, sampling), and there a
 speculative engine should run as fast as a plain one. It does not quite: hidden-state drafters have the target
