@@ -75,14 +75,16 @@ def measure(engines: dict[str, BatchEngine], encoded: dict[int, list[list[int]]]
         logs = [Path(tmp) / f"{i}.jsonl" for i in range(len(engines))]
         for eng, path in zip(engines.values(), logs, strict=True):
             eng.pass_log = PassLog(path)
+        seen = dict.fromkeys(engines, 0)  # decode passes of each log already read
         for r in range(rounds):
             for c in levels:
                 for (name, eng), path in zip(engines.items(), logs, strict=True):
-                    seen = len(read_pass_log(path))
                     rate, share = run_level(eng, encoded[c], c, output_len, temperature, f"r{r}c{c}")
                     tps[name][c].append(rate)
                     spec[name][c].append(share)
-                    for p in read_pass_log(path)[seen:]:
+                    new = read_pass_log(path)[seen[name]:]
+                    seen[name] += len(new)
+                    for p in new:
                         if p["batch"] == c:
                             passes[name][c].setdefault(int(p["width"]), []).append(p["seconds"])
         for eng in engines.values():

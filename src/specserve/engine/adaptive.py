@@ -127,7 +127,7 @@ class AdaptivePolicy:
         # per request class (`streak_class`), so: [class][j]
         self._on_path = [[prior_rounds] * max_width for _ in range(NUM_CLASSES)]
         self._offered = [[prior_rounds] * max_width for _ in range(NUM_CLASSES)]
-        self._mix = [1.0] + [0.0] * (NUM_CLASSES - 1)  # share of each class in the current batch (`choose`)
+        self._mix: Sequence[float] = ALL_NEW  # share of each class in the current batch (`choose`)
         self._refresh_turn = 0  # which other width the next refresh step measures
         # (batch bucket, width) -> (host seconds per request of a speculating step: drafting, tree masks,
         # verification, KV compaction, commit — everything but the target forward; passes measured): the
@@ -326,7 +326,7 @@ class AdaptivePolicy:
         for c in classes:
             counts[c] += 1
         total = sum(counts)
-        self._mix = [n / total for n in counts] if total else [1.0] + [0.0] * (NUM_CLASSES - 1)
+        self._mix = tuple(n / total for n in counts) if total else ALL_NEW
         if self._refresh_left > 0:  # the measured step of a refresh
             self._refresh_left -= 1
             best = self._refresh_width
@@ -399,6 +399,7 @@ class AdaptivePolicy:
         return batch * (w + 1) / spec_s > plain_rate  # could win, with every draft accepted
 
 NUM_CLASSES = 4  # of `streak_class`
+ALL_NEW = (1.0,) + (0.0,) * (NUM_CLASSES - 1)  # a batch's class shares when no classes are given
 
 
 def streak_class(last_accepted: int | None) -> int:

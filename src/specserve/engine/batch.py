@@ -163,6 +163,8 @@ class BatchEngine:
             return 0
         if self.policy is None:
             return self.max_draft
+        if self.shadow is None:  # one class for all (see `_class`)
+            return self.policy.choose(self.scheduler.num_running)
         classes = [self._class(r) for r in (self._requests.get(s.request_id) for s in self.scheduler.running)
                    if r is not None]
         return self.policy.choose(self.scheduler.num_running, classes)
