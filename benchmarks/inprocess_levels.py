@@ -10,7 +10,22 @@ in one process and the levels run interleaved: in each round, each level runs on
 keeps `c` requests in flight (a finished one is replaced at once, as the served benchmark's clients do) until
 max(--num-prompts, 2c) requests of the coding prompts (shuffled with seed 0, cycled) have produced --output-len
 tokens each (ignore_eos). No HTTP, no tokenization: what is left is the engine's own work, prefills included.
-Adaptive engines keep their policy's state across levels and rounds, as a server does.
+Adaptive engines keep their policy's state across levels and rounds, as a server does. The engines' order
+rotates from round to round and is reversed every other round (an engine runs with the caches the one before
+it left: with the order only rotated, in --lockstep runs the same engine always followed the plain one, and two
+engines of one configuration and policy differed by 1.5%, 0.985x at c=1 and 0.987x at c=4, in an A/A run).
+
+The machine's speed drifts by ±20% from one second to the next (the same plain level took 1.35-2.06 s in ten
+runs in a row, with no CPU stolen: `time.process_time` tracked the wall clock), so levels that run one after
+the other differ by that much. With --lockstep the engines run each level at once instead, one engine step of
+each in turn, each timed over its own steps: every engine sees the machine at the same speed, at the price of
+caches that the other engines' steps refill between two of its own (as a server's other work would).
+
+With --against-policy FILE (a copy of `engine/adaptive.py` from another commit, e.g. `git show
+HEAD~3:src/specserve/engine/adaptive.py > /tmp/old_adaptive.py`) every adaptive engine gets a twin whose policy
+is that file's `AdaptivePolicy` (same profile, width and drafter; `CONFIG adaptive @against`): a policy change
+measured against what it replaces in one process, level by level (`ratio_to_against`: the median of the
+per-round ratios).
 
 Prints ONE JSON object: per engine and level the output tok/s of every round, their median, and the median
 over rounds of the per-round ratio to plain decoding; the share of decode steps that speculated; and per draft
@@ -21,6 +36,7 @@ pass log): what a width costs in an engine that keeps to it against one that swi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -39,32 +55,68 @@ from specserve.server.batch_serving import build_batch_engine
 from specserve.types import SamplingParams
 
 
+class ClosedLoop:
+    """One engine's closed-loop level: `concurrency` requests in flight, a finished one replaced at once, until
+    every prompt has produced `output_len` tokens. `step()` advances it by one engine step and times it."""
+
+    def __init__(self, eng: BatchEngine, prompts: list[list[int]], concurrency: int, output_len: int,
+                 temperature: float, tag: str) -> None:
+        self.eng, self.concurrency, self.tag = eng, concurrency, tag
+        self.params = SamplingParams(max_new_tokens=output_len, ignore_eos=True, temperature=temperature, seed=0)
+        self.queue = list(enumerate(prompts))
+        self.inflight = self.produced = 0
+        self.seconds = 0.0  # wall time of this level's steps
+        self.steps0, self.spec0 = eng.counters.steps, eng.counters.spec_steps
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.inflight
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        while self.queue and self.inflight < self.concurrency:
+            i, p = self.queue.pop(0)
+            self.eng.add_request(f"{self.tag}-{i}", p, self.params)
+            self.inflight += 1
+        for out in self.eng.step():
+            self.produced += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.inflight -= 1
+        self.seconds += time.perf_counter() - t0
+
+    def result(self) -> tuple[float, float]:
+        """Output tok/s over the level's steps, and the share of its decode steps that speculated."""
+        steps = self.eng.counters.steps - self.steps0
+        return self.produced / self.seconds, (self.eng.counters.spec_steps - self.spec0) / max(steps, 1)
+
+
 def run_level(eng: BatchEngine, prompts: list[list[int]], concurrency: int, output_len: int,
               temperature: float, tag: str) -> tuple[float, float]:
     """Output tok/s of a closed-loop level, and the share of its decode steps that speculated."""
-    queue = list(enumerate(prompts))
-    inflight = 0
-    produced = 0
-    steps0, spec0 = eng.counters.steps, eng.counters.spec_steps
-    t0 = time.perf_counter()
-    while queue or inflight:
-        while queue and inflight < concurrency:
-            i, p = queue.pop(0)
-            params = SamplingParams(max_new_tokens=output_len, ignore_eos=True, temperature=temperature, seed=0)
-            eng.add_request(f"{tag}-{i}", p, params)
-            inflight += 1
-        for out in eng.step():
-            produced += len(out.new_token_ids)
-            if out.finish_reason is not None:
-                inflight -= 1
-    seconds = time.perf_counter() - t0
-    steps = eng.counters.steps - steps0
-    return produced / seconds, (eng.counters.spec_steps - spec0) / max(steps, 1)
+    loop = ClosedLoop(eng, prompts, concurrency, output_len, temperature, tag)
+    while not loop.done:
+        loop.step()
+    return loop.result()
+
+
+def run_lockstep(engines: list[BatchEngine], prompts: list[list[int]], concurrency: int, output_len: int,
+                 temperature: float, tag: str) -> list[tuple[float, float]]:
+    """`run_level` on every engine at once, one step of each in turn, each engine timed over its own steps:
+    the machine's speed, which drifts by 20% from second to second here, is the same for all."""
+    loops = [ClosedLoop(eng, prompts, concurrency, output_len, temperature, f"{tag}-{i}")
+             for i, eng in enumerate(engines)]
+    while not all(loop.done for loop in loops):
+        for loop in loops:
+            if not loop.done:
+                loop.step()
+    return [loop.result() for loop in loops]
 
 
 def measure(engines: dict[str, BatchEngine], encoded: dict[int, list[list[int]]], rounds: int, output_len: int,
-            temperature: float) -> dict[str, object]:
-    """Every level (a key of `encoded`: its prompts) on every engine, interleaved, `rounds` times; the report."""
+            temperature: float, keep_logs: Path | None = None, lockstep: bool = False) -> dict[str, object]:
+    """Every level (a key of `encoded`: its prompts) on every engine, interleaved, `rounds` times; the report.
+    `keep_logs`: a folder for the engines' pass logs (NN-NAME.passes.jsonl), else they are deleted;
+    `lockstep`: the engines run each level at once, a step each in turn (`run_lockstep`)."""
     levels = list(encoded)
     for eng in engines.values():  # warm-up: one short level each
         run_level(eng, encoded[levels[0]][:2], 1, 8, temperature, "warm")
@@ -72,14 +124,24 @@ def measure(engines: dict[str, BatchEngine], encoded: dict[int, list[list[int]]]
     spec: dict[str, dict[int, list[float]]] = {n: {c: [] for c in levels} for n in engines}
     passes: dict[str, dict[int, dict[int, list[float]]]] = {n: {c: {} for c in levels} for n in engines}
     with tempfile.TemporaryDirectory() as tmp:
-        logs = [Path(tmp) / f"{i}.jsonl" for i in range(len(engines))]
+        folder = Path(tmp) if keep_logs is None else keep_logs
+        logs = [folder / f"{i:02d}-{name.replace(' ', '-')}.passes.jsonl" for i, name in enumerate(engines)]
         for eng, path in zip(engines.values(), logs, strict=True):
             eng.pass_log = PassLog(path)
         seen = dict.fromkeys(engines, 0)  # decode passes of each log already read
+        order = list(zip(engines.items(), logs, strict=True))
         for r in range(rounds):
+            turn = order[r % len(order):] + order[:r % len(order)]
+            if r % 2:  # a rotation keeps who follows whom (with --lockstep, every step): reverse every other round
+                turn.reverse()
             for c in levels:
-                for (name, eng), path in zip(engines.items(), logs, strict=True):
-                    rate, share = run_level(eng, encoded[c], c, output_len, temperature, f"r{r}c{c}")
+                if lockstep:
+                    results = run_lockstep([eng for (_, eng), _ in turn], encoded[c], c, output_len, temperature,
+                                           f"r{r}c{c}")
+                else:
+                    results = [run_level(eng, encoded[c], c, output_len, temperature, f"r{r}c{c}")
+                               for (_, eng), _ in turn]
+                for ((name, _), path), (rate, share) in zip(turn, results, strict=True):
                     tps[name][c].append(rate)
                     spec[name][c].append(share)
                     new = read_pass_log(path)[seen[name]:]
@@ -100,7 +162,22 @@ def measure(engines: dict[str, BatchEngine], encoded: dict[int, list[list[int]]]
             "speculating": round(statistics.mean(spec[name][c]), 3),
             "pass_ms": {w: [len(t), round(1e3 * statistics.median(t), 2)] for w, t in sorted(passes[name][c].items())},
         } for c in levels}
+        twin = tps.get(f"{name} @against")
+        if twin is not None:
+            for c in levels:
+                out[name][f"c={c}"]["ratio_to_against"] = round(  # type: ignore[index]
+                    statistics.median(x / y for x, y in zip(tps[name][c], twin[c], strict=True)), 3)
     return out
+
+
+def load_policy_class(path: Path) -> type:
+    """`AdaptivePolicy` of another version of `engine/adaptive.py` (a file), imported under its own name."""
+    spec = importlib.util.spec_from_file_location("against_adaptive", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--against-policy: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.AdaptivePolicy
 
 
 def main() -> None:
@@ -114,6 +191,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--against-policy", type=Path, default=None,
+                    help="another version of engine/adaptive.py: each adaptive engine gets a twin with its policy")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="run each level on all engines at once, one step of each in turn (see the docstring)")
+    ap.add_argument("--keep-logs", type=Path, default=None,
+                    help="folder to keep every engine's pass log in (for benchmarks/pass_log_summary.py)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -129,9 +212,14 @@ def main() -> None:
     for cfg in a.config:
         llm = LLM(a.model, speculative=parse_config(cfg, a.model))
         for mode in modes:
-            engines[f"{cfg} {mode}"] = build_batch_engine(llm, EngineConfig(),
-                                                          adaptive=mode == "adaptive")
-    print(json.dumps(measure(engines, encoded, a.rounds, a.output_len, a.temperature), indent=1))
+            eng = engines[f"{cfg} {mode}"] = build_batch_engine(llm, EngineConfig(), adaptive=mode == "adaptive")
+            if a.against_policy is not None and eng.policy is not None:
+                twin = engines[f"{cfg} {mode} @against"] = build_batch_engine(llm, EngineConfig(), adaptive=True)
+                assert llm.drafter_builder is not None
+                twin.policy = load_policy_class(a.against_policy)(
+                    eng.policy.profile, eng.max_draft, stepwise=llm.drafter_builder.stepwise)
+    print(json.dumps(measure(engines, encoded, a.rounds, a.output_len, a.temperature, a.keep_logs, a.lockstep),
+                     indent=1))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, AdaptivePolicy, streak_class
+from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, PASS_OUTLIER, AdaptivePolicy, streak_class
 from specserve.engine.batch import BatchEngine
 from specserve.engine.cost_profile import CostProfile, monotone
 from specserve.engine.engine_config import EngineConfig
@@ -165,7 +165,8 @@ def test_plain_host_cost_counts_against_plain_decoding() -> None:
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
-    policy = AdaptivePolicy(steep(), max_width=4, stepwise=tree, explore_every=4, explore_cost=10.0, prior_rounds=0)
+    policy = AdaptivePolicy(steep(), max_width=4, stepwise=tree, explore_every=4, explore_cost=10.0, prior_rounds=0,
+                            try_within=0.0)  # tries even where the model prices speculation far under plain
     for _ in range(20):
         policy.record_accept(chain(0), 4)
     policy.record_draft(0.01)
@@ -276,7 +277,7 @@ def test_measured_rates_overrule_the_model() -> None:
     decoding producing more tokens per second, so plain wins, and speculation is still re-tried now and then.
     A width's rate counts once MIN_PASSES passes of it were measured (one pass can be a request's last, cut
     short by its token limit)."""
-    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=8, explore_cost=10.0)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=8, explore_cost=10.0, try_within=0.0)
     for _ in range(20):
         policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
@@ -321,7 +322,8 @@ def test_measured_rates_are_kept_per_width_and_correct_the_model_elsewhere() -> 
 def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
     """Passes at batch 2 measure plain decoding at 30 tok/s and speculation at 10: each try that confirms it
     doubles the wait, so over 400 steps speculation is tried a handful of times, not once in 4 steps."""
-    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=4, explore_max=256, explore_cost=10.0)
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=4, explore_max=256, explore_cost=10.0,
+                            try_within=0.0)
     for _ in range(20):
         policy.record_accept(chain(4), 4)
     policy.record_draft(0.0, batch=2)
@@ -340,13 +342,41 @@ def test_exploration_backs_off_where_speculation_keeps_losing() -> None:
 
 def test_no_exploration_where_speculation_cannot_win() -> None:
     """Drafting as slow as 5 target forwards per request: even with every draft accepted speculation loses, so
-    it is only re-measured after `explore_max` plain steps."""
-    policy = AdaptivePolicy(flat(), max_width=4, stepwise=True, explore_every=4, explore_max=64)
+    it is only re-measured after `explore_max` plain steps, and only within the cost budget (a try's four steps
+    cost 4 x 5 plain ones more: at 3% of the time, one try in 668 plain steps)."""
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=True, explore_every=4, explore_max=64, explore_cost=10.0)
     for _ in range(20):
         policy.record_accept(chain(4), 4)
     policy.record_draft(5.0)
     picks = [policy.choose(1) for _ in range(128)]
     assert [i for i, w in enumerate(picks) if w > 0] == [63, 64, 65, 66]  # one four-step try
+    policy = AdaptivePolicy(flat(), max_width=4, stepwise=True, explore_every=4, explore_max=64, explore_cost=0.03)
+    for _ in range(20):
+        policy.record_accept(chain(4), 4)
+    policy.record_draft(5.0)
+    picks = [policy.choose(1) for _ in range(700)]
+    assert [i for i, w in enumerate(picks) if w > 0] == [667, 668, 669, 670]
+
+
+def test_no_exploration_where_the_model_prices_speculation_far_under_plain() -> None:
+    """Rounds accept nothing (measured at any batch size: acceptance does not depend on it), so the model prices
+    every width under `try_within` x plain decoding. Where a try costs more than `explore_every` plain steps
+    (drafting 2 s a step: four steps cost 8 plain ones more), tries come only every `explore_max` plain steps,
+    not after `explore_every`; with try_within 0, or where tries are cheap (drafting 0.5 s), they come as soon as
+    the budget allows."""
+    picks = {}
+    for within, draft in ((0.8, 2.0), (0.0, 2.0), (0.8, 0.5)):
+        policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=4, explore_max=64,
+                                explore_cost=10.0, prior_rounds=0, try_within=within)
+        for _ in range(20):
+            policy.record_accept(chain(0), 4)
+        policy.record_draft(draft)  # with every draft accepted, 5 tokens / 3.01 s would beat plain decoding
+        assert policy.rate(1, 4) < 0.8 * policy.rate(1, 0)
+        picks[within, draft] = [i for i in range(70) if policy.choose(1) > 0]
+    assert picks[0.8, 2.0] == [63, 64, 65, 66]
+    assert picks[0.0, 2.0][:4] == picks[0.8, 0.5][:4] == [3, 4, 5, 6]
+    with pytest.raises(ValueError, match="try_within"):
+        AdaptivePolicy(flat(), max_width=4, stepwise=False, try_within=1.5)
 
 
 def test_exploration_bounds_are_checked() -> None:
@@ -377,7 +407,7 @@ def test_exploration_stays_within_its_cost_budget() -> None:
     """A full-width step costs 3x a plain one (steep profile, free drafting): a try (four such steps) after every
     4 plain steps would spend 200% more time; with a 5% budget the tries come 160 plain steps apart. Once a try's
     first step is seen to pay a catch-up of 6 plain steps' worth, they come 280 apart."""
-    policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, explore_every=4, explore_cost=0.05)
+    policy = AdaptivePolicy(steep(), max_width=4, stepwise=False, explore_every=4, explore_cost=0.05, try_within=0.0)
     for _ in range(20):
         policy.record_accept(chain(0), 4)  # nothing accepted: the model picks plain decoding
     policy.record_draft(0.0)
@@ -576,15 +606,15 @@ def test_steps_where_a_drafter_catches_up_are_not_measured() -> None:
 
 
 def test_one_held_up_pass_counts_as_a_few_average_ones() -> None:
-    """Plain passes of 1 s, then one held up for 20 s by something else: it counts as 3 s (`OUTLIER` x the
+    """Plain passes of 1 s, then one held up for 20 s by something else: it counts as 1.5 s (`PASS_OUTLIER` x the
     mean), so plain decoding's measured rate does not fall below speculation's for one hiccup."""
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=False)
     for _ in range(MIN_PASSES):
         policy.record_pass(2, 0, seconds=1.0)
     policy.record_pass(2, 0, seconds=20.0)
     d = PASS_DECAY
-    old = sum(d**i for i in range(1, MIN_PASSES + 1))  # seconds per request: 0.5 each, the last at most 1.5
-    assert policy.realized(2, 0) == pytest.approx((old + 1) / (0.5 * old + OUTLIER * 0.5))
+    old = sum(d**i for i in range(1, MIN_PASSES + 1))  # seconds per request: 0.5 each, the last at most 0.75
+    assert policy.realized(2, 0) == pytest.approx((old + 1) / (0.5 * old + PASS_OUTLIER * 0.5))
 
 
 def test_host_cost_of_a_first_slow_pass_does_not_stick() -> None:

@@ -29,20 +29,24 @@ accepting every node (`prior_rounds`), so a fresh engine speculates until real r
 cost nothing, the n-gram lookup, also draft unverified trees during plain steps to keep measuring acceptance:
 `shadow.py`.)
 
-Measured rates (per batch bucket and width, once `MIN_PASSES` passes were seen) replace the model's for that
-width. A measured rate is E[tokens | w] of the batch now over the measured seconds per request of a pass
-(decayed mean): tokens come from the acceptance model (long memory, per class), time from the passes (short
-memory: the machine's speed drifts). Measuring tokens over the last few passes instead let phases decide: a
-try (four passes) landing on a request's start measured n-gram speculation at one token a pass, slower than
-plain decoding, and the next try came 100 plain passes later. The choice is the best of measured rates where they exist
-and modelled ones elsewhere, those scaled by the median ratio of measured to modelled rate of the speculating
-widths measured at that batch size, so the model's misses (padding, cache misses, contention) are corrected and
-a width is tried only where the corrected model still favours it. While speculating, one step in `explore_every`
-goes in turn to plain decoding, the model's best width and the full width, keeping their rates (and the deeper
-nodes' acceptance) fresh. Leaving plain decoding for speculation first pays the drafters' catch-up (below), so
-outside tries it happens only where `explore_every` speculating steps save more than that catch-up costs at
-this batch size (as the batch shrinks at the end of a burst of requests, one long catch-up for a few steps of
-speculation loses).
+Measured rates (per batch bucket and width, once `MIN_PASSES` passes were seen) replace the model's for that width.
+A measured rate is E[tokens | w] of the batch now over the measured seconds per request of a pass: tokens come from
+the acceptance model (long memory, per class), time from the passes (short memory: the machine's speed drifts).
+Measuring tokens over the last few passes instead let phases decide: a try (four passes) landing on a request's
+start measured n-gram speculation at one token a pass, slower than plain decoding, and the next try came 100 plain
+passes later. A pass's time is kept as its ratio to the profile's forward of its own shape (decayed mean), and a
+batch size's time is that ratio times the profile's forward at that size: a bucket holds several batch sizes, and a
+request costs more in a small batch than in a full one (plain passes at batch 10 ran 786 tok/s, at 16 1260), so
+seconds per request as measured priced plain decoding of a full batch of 16 at the tail of a level's (DFLASH at
+concurrency 16 then speculated at 0.86-0.89x plain, in process: `python benchmarks/inprocess_levels.py --config
+DFLASH --concurrency 16,32`). The choice is the best of measured rates where they exist and modelled ones elsewhere,
+those scaled by the median ratio of measured to modelled rate of the speculating widths measured at that batch size,
+so the model's misses (padding, cache misses, contention) are corrected and a width is tried only where the
+corrected model still favours it. While speculating, one step in `explore_every` goes in turn to plain decoding, the
+model's best width and the full width, keeping their rates (and the deeper nodes' acceptance) fresh. Leaving plain
+decoding for speculation first pays the drafters' catch-up (below), so outside tries it happens only where
+`explore_every` speculating steps save more than that catch-up costs at this batch size (as the batch shrinks at the
+end of a burst of requests, one long catch-up for a few steps of speculation loses).
 
 A pass right after one of another width is not measured: it runs cold (the drafter and the wide verify
 pass left the caches holding their data; served at concurrency 1, EAGLE3's target forward took 4.65 ms after a
@@ -66,13 +70,20 @@ is batched, its cost per request does not grow with the batch).
 
 Exploration keeps the estimates fresh without paying much for it: while plain decoding wins at a batch size, a
 try is made after `explore_every` plain steps, at the width the model prefers (where the measured rates
-overruled it) or the full width (where the model prefers plain decoding, but only if speculation could win at
-all, with every draft accepted), and each try that confirms plain decoding doubles the wait at that batch size
-(up to `explore_max` steps; a try where speculation wins resets it). At high concurrency a speculative step
-can cost several plain ones, so the wait is also at least long enough that the tries' extra cost stays
-under `explore_cost` of the time spent decoding plainly. A try's cost counts all of its steps and the
-drafters' catch-up (see below), measured at that batch size: at high concurrency the catch-up runs the drafter
-over every prompt and token committed since the last speculation, which can cost many plain steps.
+overruled it) or the full width (where the model prefers plain decoding), and each try that confirms plain
+decoding doubles the wait at that batch size (up to `explore_max` steps; a try where speculation wins resets
+it). At high concurrency a speculative step can cost several plain ones, so the wait is also at least long
+enough that the tries' extra cost stays under `explore_cost` of the time spent decoding plainly. A try's cost
+counts all of its steps and the drafters' catch-up (see below), measured at that batch size: at high
+concurrency the catch-up runs the drafter over every prompt and token committed since the last speculation,
+which can cost many plain steps. A batch size where speculation looks hopeless is tried only every
+`explore_max` plain steps (and within the budget): where it could not win even with every draft accepted, or,
+where a try costs more than `explore_every` plain steps, where the model (corrected by the measured rates, with
+the acceptance measured at every batch size) prices every width under `try_within` (0.8) times plain decoding.
+Such tries only refresh costs the model already has, and they cost most: DFLASH at concurrency 32 drafts 32
+blocks and verifies 160 rows, a width-4 pass took 95 ms against 15 ms plain, and its tries held the engine
+3-5% under the plain one (in process, `inprocess_levels.py --config DFLASH --concurrency 16,32`). Cheap tries
+(at concurrency 1 a try costs ~8 plain steps) keep coming, as a request's acceptance can turn within a few steps.
 
 Measured seconds decay with the engine's passes, not with their own updates (`PASS_DECAY` per decode pass of any
 width or batch size), and one not updated for `4 * explore_every` passes is stale: dropped, and not compared until
@@ -81,18 +92,19 @@ stale means revived by one pass instead, that pass alone would decide: after a l
 accepting a single draft sent the engine back to plain decoding at concurrency 1 for 55-77 passes at a time, until
 the next try. The machine's speed drifts, so speculation measured now is compared with plain decoding measured about
 as recently: plain decoding measured in a slow phase and refreshed once in 32 speculating steps would otherwise keep
-a losing width for minutes. A pass slower than `OUTLIER` times the mean of its width counts as that (a plain step
-held up 6x by another process once switched a whole level to a losing width). The first speculating step after plain
-ones is not measured: drafters catch up then on everything the plain steps committed (one forward over the whole
-stretch), a cost paid once per switch, not per step; a try therefore speculates for `TRY_PASSES` steps and measures
-all but the first: `MIN_PASSES` passes, so its rate can be compared with plain decoding's at once. (With a single
-measured pass, a try could not outlive staleness: after a level at another batch size the measured rates at
-concurrency 1 were dropped, every try left one pass, stale again by the next try, and the model, scaled by an old
-ratio, kept plain decoding for whole levels while the tries' passes ran 1.75x the plain ones.) The catch-up step's
-host time is kept apart (per batch size) and charged to exploration. Nor is a step where some request's drafter
-absorbs more than a round's tokens (a request joining a speculating batch: EAGLE-3 and draft models take in its
-prompt on its first propose; the engine flags it from `Drafter.backlog`): a one-off per request, not the width's
-cost."""
+a losing width for minutes. A pass slower than `PASS_OUTLIER` (1.5) times the mean of its width counts as that (a
+plain step held up 6x by another process once switched a whole level to a losing width; capped at 3x, one 54 ms
+hiccup among 17 ms plain passes at batch 32 still cut plain decoding's measured rate by 16%, and EAGLE3 then
+speculated at a loss for the rest of the level). The first speculating step after plain ones is not measured: drafters
+catch up then on everything the plain steps committed (one forward over the whole stretch), a cost paid once per
+switch, not per step; a try therefore speculates for `TRY_PASSES` steps and measures all but the first: `MIN_PASSES`
+passes, so its rate can be compared with plain decoding's at once. (With a single measured pass, a try could not
+outlive staleness: after a level at another batch size the measured rates at concurrency 1 were dropped, every try
+left one pass, stale again by the next try, and the model, scaled by an old ratio, kept plain decoding for whole
+levels while the tries' passes ran 1.75x the plain ones.) The catch-up step's host time is kept apart (per batch
+size) and charged to exploration. Nor is a step where some request's drafter absorbs more than a round's tokens (a
+request joining a speculating batch: EAGLE-3 and draft models take in its prompt on its first propose; the engine
+flags it from `Drafter.backlog`): a one-off per request, not the width's cost."""
 
 from __future__ import annotations
 
@@ -104,7 +116,7 @@ from specserve.engine.cost_profile import CostProfile
 class AdaptivePolicy:
     def __init__(self, profile: CostProfile, max_width: int, stepwise: bool, explore_every: int = 16,
                  decay: float = 0.98, explore_max: int = 512, explore_cost: float = 0.03,
-                 prior_rounds: float = 1.0) -> None:
+                 prior_rounds: float = 1.0, try_within: float = 0.8) -> None:
         if max_width < 1:
             raise ValueError(f"adaptive speculation needs a draft width >= 1, got {max_width}")
         if not 1 <= explore_every <= explore_max:
@@ -119,6 +131,9 @@ class AdaptivePolicy:
         self.explore_every = explore_every
         self.explore_max = explore_max
         self.explore_cost = explore_cost
+        if not 0.0 <= try_within <= 1.0:
+            raise ValueError(f"adaptive speculation: try_within must be in [0, 1], got {try_within}")
+        self.try_within = try_within  # tries only where the model prices speculation at >= this x plain
         self._stale_after = 4 * explore_every  # passes after which a measured rate is stale: not compared
         self.decay = decay
         # [j]: decayed count of rounds whose accepted path holds node j+1 / that verified node j+1 (width > j);
@@ -146,8 +161,9 @@ class AdaptivePolicy:
         self._refresh_width = 0  # the width the current refresh measures
         self._settled = 0  # the width the last step outside tries and refreshes chose
         self._prev_width = 0  # width of the last pass recorded (a pass after one of another width runs cold)
-        # decode passes per (batch bucket (power of two), width; 0 = plain): sums of seconds per request and of
-        # passes decayed to the pass clock of the last update, passes measured, that clock
+        # decode passes per (batch bucket (power of two), width; 0 = plain): sums of each pass's seconds over the
+        # profile's forward of its shape and of passes, decayed to the pass clock of the last update, passes
+        # measured, that clock
         self._realized: dict[tuple[int, int], tuple[float, float, int, int]] = {}
         self._clock = 0  # decode passes recorded
         self._calib: dict[int, float] = {}  # batch bucket -> last median ratio of measured to modelled rates
@@ -219,18 +235,19 @@ class AdaptivePolicy:
         if seconds <= 0 or switched or (width > 0 and catch_up):
             return
         bucket = _bucket(batch)
-        per_request = seconds / batch
+        ratio = seconds / self._cost(batch, width + 1)  # to the profile's forward of this very shape
         s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0, self._clock))
         if self._stale(at):
             s, m, n = 0.0, 0.0, 0  # stale: measured afresh, MIN_PASSES passes before it is compared
-        if n >= MIN_PASSES:  # a pass slowed by something else (another process, a collection) counts as 3 average
-            per_request = min(per_request, OUTLIER * s / m)
+        if n >= MIN_PASSES:  # a pass slowed by something else (another process, a collection) is capped
+            ratio = min(ratio, PASS_OUTLIER * s / m)
         keep = PASS_DECAY ** (self._clock - at)
-        s, m = keep * s + per_request, keep * m + 1.0
+        s, m = keep * s + ratio, keep * m + 1.0
         self._realized[(bucket, width)] = (s, m, n + 1, self._clock)
         plain = self.realized(batch, 0)
         if width > 0 and plain is not None:  # back off tries where speculation keeps losing
-            spec = self.expected_tokens(width) * m / s  # as measured so far, even by one try's pass
+            # as measured so far, even by one try's pass
+            spec = self.expected_tokens(width) * batch / (s / m * self._cost(batch, width + 1))
             gap = self._explore_gap.get(bucket, self.explore_every)
             self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
@@ -247,11 +264,13 @@ class AdaptivePolicy:
         return None if seconds is None else self.expected_tokens(width) / seconds
 
     def _pass_seconds(self, batch: int, width: int) -> float | None:
-        """Measured seconds per request of a decode pass of this width at this batch size (see `realized`)."""
+        """Measured seconds per request of a decode pass of this width at this batch size (see `realized`): the
+        measured passes' mean ratio to the profile's forward of their shape, times the profile's forward at this
+        batch size, per request."""
         sums = self._realized.get((_bucket(batch), width))
         if sums is None or sums[2] < MIN_PASSES or self._stale(sums[3]):
             return None
-        return sums[0] / sums[1]
+        return sums[0] / sums[1] * self._cost(batch, width + 1) / batch
 
     def rounds(self, cls: int) -> float:
         """Decayed count of rounds recorded for requests of class `cls` (the prior's pseudo-rounds included)."""
@@ -349,7 +368,7 @@ class AdaptivePolicy:
             self._settled = best
             if best == 0:
                 # a try re-measures the width the model prefers, or the full width where it prefers plain
-                if self._explore(batch, modelled or max_width):
+                if self._explore(batch, modelled or max_width, scores):
                     best = self._try_width = modelled or max_width
                     self._tries_left = TRY_PASSES - 1
             else:
@@ -382,12 +401,11 @@ class AdaptivePolicy:
         self._refresh_left = REFRESH_PASSES - 1  # the first pass after a switch runs cold: measure a second one
         return self._refresh_width
 
-    def _explore(self, batch: int, w: int) -> bool:
-        """Plain decoding was picked: try width `w` now? (See the module docstring.)"""
+    def _explore(self, batch: int, w: int, scores: list[float]) -> bool:
+        """Plain decoding was picked (`scores`: every width's, from `scores`): try width `w` now? (See the
+        module docstring.)"""
         bucket = _bucket(batch)
         streak = self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1
-        if streak >= self.explore_max:
-            return True  # even a hopeless bucket is re-measured now and then: costs and traffic change
         spec_s = self._cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one step of the try
         plain_rate = self._plain_rate(batch)
         plain_s = batch / plain_rate  # one plain step
@@ -396,6 +414,10 @@ class AdaptivePolicy:
         affordable = extra / (plain_s * self.explore_cost)  # plain steps per try within the budget
         if streak < max(self._explore_gap.get(bucket, self.explore_every), affordable):
             return False
+        if streak >= self.explore_max:
+            return True  # even a hopeless bucket is re-measured now and then (within the budget): costs change
+        if extra > self.explore_every * plain_s and max(scores[1:]) < self.try_within * scores[0]:
+            return False  # an expensive try where the (corrected) model prices every width far under plain
         return batch * (w + 1) / spec_s > plain_rate  # could win, with every draft accepted
 
 NUM_CLASSES = 4  # of `streak_class`
@@ -419,7 +441,8 @@ REFRESH_PASSES = 2  # steps of a refresh while speculating: the first runs cold,
 # weighs most in small passes, and at small batch sizes the batch's acceptance classes change from step to step
 SWITCH_MARGIN = 0.1
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
-OUTLIER = 3.0  # a measured pass counts at most this many times the mean pass time of its width and batch size
+OUTLIER = 3.0  # a host-time sample counts at most this many times the estimate (`_robust_update`)
+PASS_OUTLIER = 1.5  # a measured pass counts at most this many times the mean pass time of its width and batch size
 
 
 def _robust_update(prev: tuple[float, int] | None, sample: float, weight: float) -> tuple[float, int]:
