@@ -693,3 +693,23 @@ def test_a_switch_needs_a_clear_gain_at_small_batches() -> None:
         assert policy.rate(1, 4) == pytest.approx(0.95 if want else 0.8, rel=0.01)
         assert policy.rate(1, 0) == pytest.approx(1.0)
         assert policy.choose(1) == want, host
+
+
+def test_a_batch_size_never_measured_borrows_the_nearest_ones_model_correction() -> None:
+    """Speculation measured at batch 2 at a quarter of the model's rate: the model's bias there (0.25) also
+    corrects its rates at batch 8 (never measured), which then decodes plainly instead of trusting the
+    optimistic model; a policy without measurements trusts the model."""
+    def policy_measured_at_2(measured: bool) -> AdaptivePolicy:
+        policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_every=8, prior_rounds=0)
+        for _ in range(20):
+            policy.record_accept(chain(2), 4)  # E[tokens | 4] = 3: the model prices width 4 at ~3x plain
+        policy.record_draft(0.0, batch=2)
+        policy.record_draft(0.0, batch=8)
+        if measured:
+            measure(policy, 2, 4, policy.rate(2, 4) / 4, passes=MIN_PASSES + 1)
+            assert policy.scores(2)[4] == pytest.approx(policy.rate(2, 4) / 4)
+        return policy
+    assert policy_measured_at_2(False).scores(8)[4] == pytest.approx(policy_measured_at_2(False).rate(8, 4))
+    policy = policy_measured_at_2(True)
+    assert policy.scores(8)[4] == pytest.approx(policy.rate(8, 4) * 0.25)
+    assert policy.choose(8) == 0

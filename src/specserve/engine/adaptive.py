@@ -322,7 +322,9 @@ class AdaptivePolicy:
         """Tokens/s of every width at this batch size: measured where `MIN_PASSES` passes were; elsewhere the
         model's, for speculating widths scaled by how far the measured ones fell short of (or beat) the model
         (the median ratio; where none is measured now, the last ratio seen at this batch size: a model's bias
-        outlives its measurements), so one optimistic model does not send the engine through every width in turn.
+        outlives its measurements; where none was ever seen, the nearest batch size's: served DFLASH, with no
+        ratio at batch 32 yet, followed the uncorrected model there into speculating at 0.76x plain decoding),
+        so one optimistic model does not send the engine through every width in turn.
         `model`: `rates(batch)` where the caller has it already."""
         model = self.rates(batch) if model is None else model
         expected = self._expected_all()
@@ -332,7 +334,10 @@ class AdaptivePolicy:
         bucket = _bucket(batch)
         if ratios:
             self._calib[bucket] = ratios[len(ratios) // 2]
-        calib = self._calib.get(bucket, 1.0)  # where no width is measured now: the last ratio seen
+        calib = self._calib.get(bucket)  # where no width is measured now: the last ratio seen
+        if calib is None:  # never measured here: the nearest batch size's bias (smaller first: levels ramp up)
+            near = sorted(self._calib, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b > bucket))
+            calib = self._calib[near[0]] if near else 1.0
         return [m if m is not None else model[w] * (calib if w > 0 else 1.0) for w, m in enumerate(measured)]
 
     def choose(self, batch: int, classes: Sequence[int] = ()) -> int:
