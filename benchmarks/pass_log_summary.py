@@ -15,12 +15,19 @@ of plain passes, and their ratio (null where one kind is missing); and where the
 passes, ramp-up and tail included): decode passes, prefill passes (of which drafters taking in prompts), and
 the rest (`outside_s`: the server's own work and waits between engine steps). Give the plain server's log too
 (every server of `serving_concurrency.py --out` keeps one) to compare the two stretch by stretch.
+
+With --after-speculation B, per log also the plain passes of at least B requests by how many plain passes came
+since the last speculating one, each position's median seconds per request over that of passes 9+ after
+(`runs/serving/s20d_fp32_t0.logs/02-EAGLE3-adaptive.passes.jsonl`, B = 12: 1.09 / 1.22 / 1.08 / 1.15 for the
+first four, NGRAM's 1.22 / 1.11 / 0.97 / 1.11; DFLASH's 0.88-1.01): the plain pass a refresh measures (the second)
+runs slower than plain decoding that stays plain.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +71,45 @@ def summarize(stretch: list[dict[str, float]]) -> dict[str, Any]:
             "spec_over_plain": None if s is None or q is None else round(s / q, 3), **budget}
 
 
+def after_speculation(passes: list[dict[str, float]], min_batch: int, warm_after: int = 9) -> dict[str, Any]:
+    """Plain decode passes of at least `min_batch` requests by how many plain passes came since the last
+    speculating one (1 = right after it; `warm_after` and more pooled as warm): per position, passes and the
+    median seconds per request over the warm ones' median. What a plain pass measured during a refresh (the
+    policy measures the second) says about plain decoding where the engine stays plain."""
+    by: dict[int, list[float]] = {}
+    since = warm_after
+    for p in passes:
+        if p["width"] > 0:
+            since = 0
+            continue
+        since = min(since + 1, warm_after)
+        if p["batch"] >= min_batch:
+            by.setdefault(since, []).append(p["seconds"] / p["batch"])
+    warm = by.get(warm_after)
+    if not warm:
+        return {}
+    base = statistics.median(warm)
+    return {str(k) if k < warm_after else f"{k}+":
+            {"passes": len(v), "over_warm": round(statistics.median(v) / base, 3)} for k, v in sorted(by.items())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pass_log", type=Path, nargs="+")
     ap.add_argument("--gap", type=float, default=1.0, help="idle seconds that end a stretch")
     ap.add_argument("--min-batch", type=int, default=4, help="leave out stretches of a smaller peak batch")
+    ap.add_argument("--after-speculation", type=int, default=None, metavar="B",
+                    help="also: plain passes of at least B requests by their distance from the last speculating "
+                         "pass, against warm ones (`after_speculation`)")
     a = ap.parse_args()
     logs = []
     for path in a.pass_log:
         rows = [summarize(s) for s in stretches(read_pass_log(path, kind=None), a.gap)]
-        logs.append({"pass_log": str(path), "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]})
+        entry: dict[str, Any] = {"pass_log": str(path),
+                                 "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]}
+        if a.after_speculation is not None:
+            entry["plain_after_speculation"] = after_speculation(read_pass_log(path), a.after_speculation)
+        logs.append(entry)
     print(json.dumps({"logs": logs}, indent=1))
     return 0
 
