@@ -154,19 +154,19 @@ def measure(engines: dict[str, BatchEngine], encoded: dict[int, list[list[int]]]
             eng.pass_log.close()
             eng.pass_log = None
     out: dict[str, object] = {"rounds": rounds, "output_len": output_len, "temperature": temperature}
+    def ratio(a: list[float], b: list[float]) -> float:  # median of the per-round ratios
+        return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 3)
+
     for name in engines:
+        twin = tps.get(f"{name} @against")
         out[name] = {f"c={c}": {
             "tok_s": [round(x, 1) for x in tps[name][c]],
             "median_tok_s": round(statistics.median(tps[name][c]), 1),
-            "ratio": round(statistics.median(x / y for x, y in zip(tps[name][c], tps["NONE"][c], strict=True)), 3),
+            "ratio": ratio(tps[name][c], tps["NONE"][c]),
+            **({} if twin is None else {"ratio_to_against": ratio(tps[name][c], twin[c])}),
             "speculating": round(statistics.mean(spec[name][c]), 3),
             "pass_ms": {w: [len(t), round(1e3 * statistics.median(t), 2)] for w, t in sorted(passes[name][c].items())},
         } for c in levels}
-        twin = tps.get(f"{name} @against")
-        if twin is not None:
-            for c in levels:
-                out[name][f"c={c}"]["ratio_to_against"] = round(  # type: ignore[index]
-                    statistics.median(x / y for x, y in zip(tps[name][c], twin[c], strict=True)), 3)
     return out
 
 

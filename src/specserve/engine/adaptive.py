@@ -246,8 +246,7 @@ class AdaptivePolicy:
         self._realized[(bucket, width)] = (s, m, n + 1, self._clock)
         plain = self.realized(batch, 0)
         if width > 0 and plain is not None:  # back off tries where speculation keeps losing
-            # as measured so far, even by one try's pass
-            spec = self.expected_tokens(width) * batch / (s / m * self._cost(batch, width + 1))
+            spec = self.expected_tokens(width) / self._per_request(s / m, batch, width)  # even by one try's pass
             gap = self._explore_gap.get(bucket, self.explore_every)
             self._explore_gap[bucket] = min(2 * gap, self.explore_max) if spec < plain else self.explore_every
 
@@ -270,7 +269,11 @@ class AdaptivePolicy:
         sums = self._realized.get((_bucket(batch), width))
         if sums is None or sums[2] < MIN_PASSES or self._stale(sums[3]):
             return None
-        return sums[0] / sums[1] * self._cost(batch, width + 1) / batch
+        return self._per_request(sums[0] / sums[1], batch, width)
+
+    def _per_request(self, ratio: float, batch: int, width: int) -> float:
+        """Seconds per request of a pass of this width and batch size that takes `ratio` x the profile's."""
+        return ratio * self._cost(batch, width + 1) / batch
 
     def rounds(self, cls: int) -> float:
         """Decayed count of rounds recorded for requests of class `cls` (the prior's pseudo-rounds included)."""
