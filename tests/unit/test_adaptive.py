@@ -12,15 +12,7 @@ import pytest
 
 import specserve.engine.profile as profile_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import (
-    MIN_PASSES,
-    OUTLIER,
-    PASS_DECAY,
-    PASS_OUTLIER,
-    WARM_AFTER,
-    AdaptivePolicy,
-    streak_class,
-)
+from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, PASS_OUTLIER, AdaptivePolicy, streak_class
 from specserve.engine.batch import BatchEngine
 from specserve.engine.cost_profile import CostProfile, monotone
 from specserve.engine.engine_config import EngineConfig
@@ -721,23 +713,3 @@ def test_a_batch_size_never_measured_borrows_the_nearest_ones_model_correction()
     policy = policy_measured_at_2(True)
     assert policy.scores(8)[4] == pytest.approx(policy.rate(8, 4) * 0.25)
     assert policy.choose(8) == 0
-
-
-def test_plain_decoding_is_priced_by_its_warm_passes() -> None:
-    """Plain passes run slower for a few passes after speculation (700 tok/s against 1000 once warm); a refresh
-    while speculating measures only such passes. Passes at least WARM_AFTER plain passes after speculation keep
-    a warm estimate, and plain decoding is scored by the better of the two: speculation at 900 tok/s no longer
-    beats it. Without a warm stretch the refreshes' 700 stands."""
-    def run(warm_stretch: bool) -> AdaptivePolicy:
-        policy = AdaptivePolicy(flat(), max_width=4, stepwise=False, prior_rounds=0)
-        for _ in range(20):
-            policy.record_accept(chain(4), 4)
-        if warm_stretch:
-            measure(policy, 2, 0, 1000.0, passes=WARM_AFTER + MIN_PASSES)  # the last MIN_PASSES are warm
-        for _ in range(3):
-            measure(policy, 2, 4, 900.0, passes=MIN_PASSES + 1)  # speculation (its first pass: not measured)
-            measure(policy, 2, 0, 700.0, passes=2)  # a refresh: two cold plain passes, the second measured
-        return policy
-    assert run(True).scores(2)[0] == pytest.approx(1000.0)
-    assert run(True).scores(2)[4] == pytest.approx(900.0)
-    assert run(False).scores(2)[0] == pytest.approx(700.0)

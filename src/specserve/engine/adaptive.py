@@ -95,13 +95,7 @@ as recently: plain decoding measured in a slow phase and refreshed once in 32 sp
 a losing width for minutes. A pass slower than `PASS_OUTLIER` (1.5) times the mean of its width counts as that (a
 plain step held up 6x by another process once switched a whole level to a losing width; capped at 3x, one 54 ms
 hiccup among 17 ms plain passes at batch 32 still cut plain decoding's measured rate by 16%, and EAGLE3 then
-speculated at a loss for the rest of the level). Plain passes also run slower for a few passes after
-speculation (served EAGLE3 at batch 12+: 1.09 / 1.22 / 1.08 / 1.15x the per-request time of plain passes 9+
-after; `python benchmarks/pass_log_summary.py LOG --after-speculation 12`), and a refresh measures only such
-passes: within served c=16 levels speculation beat its own server's plain passes by 27-48% where the plain
-server's passes ran up to 1.3x as fast as those. So plain passes at least `WARM_AFTER` plain passes after
-speculation also keep a warm estimate (up to `WARM_STALE` passes old), and plain decoding is scored by the better
-of the two. The first speculating step after plain ones is not measured: drafters
+speculated at a loss for the rest of the level). The first speculating step after plain ones is not measured: drafters
 catch up then on everything the plain steps committed (one forward over the whole stretch), a cost paid once per
 switch, not per step; a try therefore speculates for `TRY_PASSES` steps and measures all but the first: `MIN_PASSES`
 passes, so its rate can be compared with plain decoding's at once. (With a single measured pass, a try could not
@@ -172,10 +166,6 @@ class AdaptivePolicy:
         # measured, that clock
         self._realized: dict[tuple[int, int], tuple[float, float, int, int]] = {}
         self._clock = 0  # decode passes recorded
-        self._plain_run = 0  # plain passes since the last speculating one
-        # batch bucket -> (moving average of warm plain passes' ratios to the profile, passes, clock of the last):
-        # plain passes at least WARM_AFTER plain passes after speculation (see `_warm_plain`)
-        self._warm: dict[int, tuple[float, int, int]] = {}
         self._calib: dict[int, float] = {}  # batch bucket -> last median ratio of measured to modelled rates
         self._try_width = max_width  # the width the current try verifies
         self.choices: dict[int, int] = {}  # width -> steps that chose it
@@ -242,14 +232,10 @@ class AdaptivePolicy:
         forward, verification) took `seconds`; `catch_up` as for `record_draft`."""
         self._clock += 1
         switched, self._prev_width = self._prev_width != width, width
-        self._plain_run = self._plain_run + 1 if width == 0 else 0
         if seconds <= 0 or switched or (width > 0 and catch_up):
             return
         bucket = _bucket(batch)
         ratio = seconds / self._cost(batch, width + 1)  # to the profile's forward of this very shape
-        if width == 0 and self._plain_run > WARM_AFTER:
-            prev = self._warm.get(bucket)
-            self._warm[bucket] = (*_robust_update(None if prev is None else prev[:2], ratio, 0.1), self._clock)
         s, m, n, at = self._realized.get((bucket, width), (0.0, 0.0, 0, self._clock))
         if self._stale(at):
             s, m, n = 0.0, 0.0, 0  # stale: measured afresh, MIN_PASSES passes before it is compared
@@ -288,14 +274,6 @@ class AdaptivePolicy:
     def _per_request(self, ratio: float, batch: int, width: int) -> float:
         """Seconds per request of a pass of this width and batch size that takes `ratio` x the profile's."""
         return ratio * self._cost(batch, width + 1) / batch
-
-    def _warm_plain(self, batch: int) -> float | None:
-        """Plain decoding's rate at this batch size as measured on warm plain passes (at least `WARM_AFTER` plain
-        passes after speculation; `WARM_STALE` passes old at most), or None."""
-        warm = self._warm.get(_bucket(batch))
-        if warm is None or warm[1] < MIN_PASSES or self._clock - warm[2] > WARM_STALE:
-            return None
-        return 1.0 / self._per_request(warm[0], batch, 0)
 
     def rounds(self, cls: int) -> float:
         """Decayed count of rounds recorded for requests of class `cls` (the prior's pseudo-rounds included)."""
@@ -355,9 +333,6 @@ class AdaptivePolicy:
         expected = self._expected_all()
         seconds = [self._pass_seconds(batch, w) for w in range(self.max_width + 1)]
         measured = [None if s is None else e / s for e, s in zip(expected, seconds, strict=True)]
-        warm = self._warm_plain(batch)
-        if warm is not None and measured[0] is not None:
-            measured[0] = max(measured[0], warm)
         ratios = sorted(m / model[w] for w, m in enumerate(measured) if w > 0 and m is not None and model[w] > 0)
         bucket = _bucket(batch)
         if ratios:
@@ -475,8 +450,6 @@ REFRESH_PASSES = 2  # steps of a refresh while speculating: the first runs cold,
 SWITCH_MARGIN = 0.1
 PASS_DECAY = 0.9  # weight of a measured pass per later decode pass (of any width and batch size)
 OUTLIER = 3.0  # a host-time sample counts at most this many times the estimate (`_robust_update`)
-WARM_AFTER = 3  # plain passes after speculation that still run cold (measured: 1.09-1.22x for the first four)
-WARM_STALE = 256  # passes after which the warm plain estimate is no longer used
 PASS_OUTLIER = 1.5  # a measured pass counts at most this many times the mean pass time of its width and batch size
 
 
