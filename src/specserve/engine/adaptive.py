@@ -410,8 +410,8 @@ class AdaptivePolicy:
         return self._refresh_width
 
     def _explore(self, batch: int, w: int, scores: list[float]) -> bool:
-        """Plain decoding was picked (`scores`: every width's, from `scores`): try width `w` now? (See the
-        module docstring.)"""
+        """Plain decoding was picked from `scores` (every width's, as `scores()` gave them): try width `w` now?
+        (See the module docstring.)"""
         bucket = _bucket(batch)
         streak = self._plain_streak[bucket] = self._plain_streak.get(bucket, 0) + 1
         spec_s = self._cost(batch, w + 1) + self.draft_seconds(w, batch) * batch  # one step of the try
@@ -427,6 +427,7 @@ class AdaptivePolicy:
         if extra > self.explore_every * plain_s and max(scores[1:]) < self.try_within * scores[0]:
             return False  # an expensive try where the (corrected) model prices every width far under plain
         return batch * (w + 1) / spec_s > plain_rate  # could win, with every draft accepted
+
 
 NUM_CLASSES = 4  # of `streak_class`
 ALL_NEW = (1.0,) + (0.0,) * (NUM_CLASSES - 1)  # a batch's class shares when no classes are given
