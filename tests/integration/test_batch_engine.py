@@ -30,7 +30,7 @@ from specserve.spec.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-SPECS = ["plain", "ngram-trie", "ngram-chain", "eagle3-chain", "eagle3-tree", "dflash-ddtree"]
+SPECS = ["plain", "ngram-trie", "ngram-chain", "eagle3-chain", "eagle3-tree", "dflash-ddtree", "dflash-reveal"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,10 @@ def draft_dirs(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> dict[str, 
     init_random_eagle3(llm.config, eagle, seed=4)
     dflash = tmp_path_factory.mktemp("dflash")
     init_random_dflash(llm.config, dflash, seed=3, block_size=8)
-    return {"eagle3": eagle, "dflash": dflash}
+    reveal = tmp_path_factory.mktemp("dflash-reveal")  # the same drafter, its trees' first paths shown to it
+    init_random_dflash(llm.config, reveal, seed=3, block_size=8, sample_reveal=2, greedy_reveal=1,
+                       tree_temperature=0.05)
+    return {"eagle3": eagle, "dflash": dflash, "dflash-reveal": reveal}
 
 
 def spec_for(name: str, dirs: dict[str, Path]) -> SpeculativeConfig | None:
@@ -57,6 +60,8 @@ def spec_for(name: str, dirs: dict[str, Path]) -> SpeculativeConfig | None:
         "eagle3-chain": r("EAGLE3", e, num_steps=3),
         "eagle3-tree": r("EAGLE3", e, num_steps=2, eagle_topk=3, num_draft_tokens=10),
         "dflash-ddtree": r("DFLASH", f, dflash_block_size=8, tree="ddtree", num_draft_tokens=12),
+        "dflash-reveal": r("DFLASH", str(dirs["dflash-reveal"]), dflash_block_size=8, tree="ddtree",
+                           num_draft_tokens=12),
     }[name]
 
 
@@ -243,7 +248,8 @@ def plain_law(llm: LLM, sample_prompt: list[int]) -> dict[tuple[int, int], float
     return law
 
 
-@pytest.mark.parametrize("name", ["ngram-trie", "eagle3-chain", "standalone-chain", "dflash-ddtree"])
+@pytest.mark.parametrize("name", ["ngram-trie", "eagle3-chain", "standalone-chain", "dflash-ddtree",
+                                  "dflash-reveal"])
 def test_sampling_matches_plain_distribution(llm: LLM, builders: dict[str, DrafterBuilder | None],
                                              near_target_builder: DrafterBuilder, sample_prompt: list[int],
                                              plain_law: dict[tuple[int, int], float], name: str) -> None:
@@ -266,7 +272,7 @@ def test_sampling_matches_plain_distribution(llm: LLM, builders: dict[str, Draft
     assert c.verify_rounds == SAMPLE_N  # every second token came from a verify round
     first_accepted = c.position_accepted[0] if c.position_accepted else 0
     assert first_accepted < SAMPLE_N  # drafts were rejected in some rounds ...
-    if name != "dflash-ddtree":  # ... and accepted in others (the random DFlash drafter's drawn siblings are
+    if not name.startswith("dflash"):  # ... and accepted in others (the random DFlash drafter's drawn siblings are
         assert first_accepted > 0  # all rejected: what it checks is the residual left after each of them)
     counts = Counter(tuple(t) for t in run.tokens.values())
     assert set(counts) <= set(plain_law), "a pair plain decoding can never produce"

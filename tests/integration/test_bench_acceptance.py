@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specserve.bench.acceptance import repeated_ngram_fraction
+from specserve.bench.acceptance_cli import seed_summary
 from specserve.cli import main
 
 
@@ -52,3 +53,28 @@ def test_acceptance_bad_suite_line(tmp_path: Path, tiny_dir: Path, capsys: pytes
                  "--suite", str(suite)])
     err = capsys.readouterr().err
     assert code == 2 and "bad.jsonl:2" in err and "Traceback" not in err
+
+
+def test_acceptance_over_seeds(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--seeds N: sampled runs at seeds --seed ..., each reproducing a one-seed run, with their mean and spread;
+    refused for greedy decoding."""
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({"name": "loop", "prompt": "a = 1\nb = 2\na = 1\nb = 2\n"}) + "\n")
+    base = ["bench", "acceptance", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+            "--speculative-algorithm", "NGRAM", "--suite", str(suite), "--max-new-tokens", "24",
+            "--temperature", "1.0", "--seed", "3"]
+    assert main([*base, "--seeds", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    seeds = report["seeds"]
+    assert seeds["seeds"] == [3, 4, 5] and [r["seed"] for r in report["runs"]] == [3, 4, 5]
+    assert seeds["accept_length"] == [r["summary"]["accept_length"] for r in report["runs"]]
+    assert seeds == seed_summary(seeds["accept_length"], 3)
+    assert main([*base[:-1], "4"]) == 0  # the second run alone
+    assert json.loads(capsys.readouterr().out)["summary"]["accept_length"] == seeds["accept_length"][1]
+    assert main([*base[:-4], "--seeds", "2"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_seed_summary() -> None:
+    s = seed_summary([2.0, 3.0, 4.0], 0)
+    assert (s["mean"], s["sd"], s["se"]) == (3.0, 1.0, round(1 / 3**0.5, 4)) and s["seeds"] == [0, 1, 2]

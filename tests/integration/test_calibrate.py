@@ -56,10 +56,36 @@ def test_calibrate_sample_temperature_on_sampled_decoding(tiny_dir: Path, tmp_pa
     assert written.sample_temperature == report["best"] and written.tree_temperature == 1.0
 
 
+@pytest.mark.parametrize(("field", "temperature"), [("sample_reveal", "0.9"), ("greedy_reveal", "0")])
+def test_calibrate_reveal(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str,
+                          temperature: str) -> None:
+    """--field sample_reveal | greedy_reveal measures how deep a sampled | greedy tree's first path is shown to the
+    drafter (whole numbers), writes the best as a whole number and leaves the temperatures alone."""
+    _, cfg, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
+    drafter = tmp_path / "dflash"
+    init_random_dflash(cfg, drafter, seed=3, num_hidden_layers=1)
+    suite = tmp_path / "val.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "for i in range(")))
+    assert main(["train", "calibrate", "--drafter", str(drafter), "--target", str(tiny_dir), "--suite", str(suite),
+                 "--temperature", temperature, "--field", field, "--grid", "0", "2", "--max-new-tokens", "8",
+                 "--ddtree-budget", "6", "--write"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["field"] == field and set(report["accept_length"]) == {"0", "2"}
+    written = read_dflash_config(drafter)
+    assert getattr(written, field) == report["best"] and isinstance(report["best"], int)
+    assert (written.sample_temperature, written.tree_temperature) == (1.0, 1.0)
+
+
 def test_calibrate_refuses_evaluation_suites_and_bad_grids(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not an evaluation suite"):
         CalibrateConfig(drafter=tmp_path, suite="heldout-code")
     with pytest.raises(ValueError, match="--grid"):
         CalibrateConfig(drafter=tmp_path, suite="val.jsonl", grid=(0.0, 1.0))
+    with pytest.raises(ValueError, match="whole numbers"):
+        CalibrateConfig(drafter=tmp_path, suite="val.jsonl", temperature=0.7, field="sample_reveal", grid=(1.5,))
+    with pytest.raises(ValueError, match="--temperature > 0"):
+        CalibrateConfig(drafter=tmp_path, suite="val.jsonl", field="sample_reveal", grid=(1.0,))
+    with pytest.raises(ValueError, match="--temperature 0"):
+        CalibrateConfig(drafter=tmp_path, suite="val.jsonl", temperature=0.7, field="greedy_reveal", grid=(1.0,))
     with pytest.raises(ValueError, match="--seeds"):
         CalibrateConfig(drafter=tmp_path, suite="val.jsonl", temperature=0.7, seeds=0)

@@ -57,8 +57,11 @@ def eagle_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
     return path
 
 
-def spec_configs(draft_dir: Path, dflash_dir: Path, eagle_dir: Path) -> list[SpeculativeConfig]:
+def spec_configs(draft_dir: Path, dflash_dir: Path, eagle_dir: Path,
+                 reveal_dir: Path | None = None) -> list[SpeculativeConfig]:
     d, f, e = str(draft_dir), str(dflash_dir), str(eagle_dir)
+    reveal = [] if reveal_dir is None else [
+        SpeculativeConfig.resolve("DFLASH", str(reveal_dir), dflash_block_size=8, tree="ddtree", num_draft_tokens=12)]
     r = SpeculativeConfig.resolve
     return [
         r("NGRAM", num_draft_tokens=5, tree="chain"),
@@ -74,6 +77,7 @@ def spec_configs(draft_dir: Path, dflash_dir: Path, eagle_dir: Path) -> list[Spe
         r("DFLASH", f, dflash_block_size=8, tree="ddtree", num_draft_tokens=4),
         r("DFLASH", f, dflash_block_size=8, tree="ddtree", num_draft_tokens=24),
         r("DFLASH", f, dflash_block_size=4, tree="ddtree", num_draft_tokens=10),
+        *reveal,
     ]
 
 
@@ -97,10 +101,10 @@ def plain(llm: LLM, ids: list[int], params: SamplingParams) -> GenerationResult:
 
 
 def test_greedy_exact_over_grid(llm: LLM, prompts: list[list[int]], tiny_draft_dir: Path, dflash_dir: Path,
-                                eagle_dir: Path) -> None:
+                                eagle_dir: Path, dflash_reveal_dir: Path) -> None:
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     expected = [plain(llm, p, params).token_ids for p in prompts]
-    for spec in spec_configs(tiny_draft_dir, dflash_dir, eagle_dir):
+    for spec in spec_configs(tiny_draft_dir, dflash_dir, eagle_dir, dflash_reveal_dir):
         run = spec_runner(llm, spec)
         steps = 0
         for ids, want in zip(prompts, expected, strict=True):
@@ -149,14 +153,27 @@ def _pairs(results: list[GenerationResult]) -> Counter[tuple[int, ...]]:
     return Counter(tuple(r.token_ids[:2]) for r in results)
 
 
-@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "ngram-tree"])
-def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dflash_dir: Path, which: str) -> None:
+@pytest.fixture(scope="module")
+def dflash_reveal_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
+    """A random drafter shown its trees' first paths, sampled ones two tokens deep, greedy ones one (its greedy
+    trees sharpened to be deep enough to have something below the first node)."""
+    path = tmp_path_factory.mktemp("dflash-reveal")
+    init_random_dflash(llm.config, path, seed=3, block_size=8, sample_reveal=2, greedy_reveal=1,
+                       tree_temperature=0.05)
+    return path
+
+
+@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "dflash-reveal", "ngram-tree"])
+def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dflash_dir: Path,
+                                             dflash_reveal_dir: Path, which: str) -> None:
     """Chi-square on the joint law of the first two tokens, speculative vs plain, 600 seeds each."""
     from scipy.stats import chi2_contingency
 
     spec = {
         "standalone-chain": SpeculativeConfig.resolve("STANDALONE", str(tiny_draft_dir), num_steps=2),
         "dflash-ddtree": SpeculativeConfig.resolve("DFLASH", str(dflash_dir), dflash_block_size=8,
+                                                   num_draft_tokens=6),
+        "dflash-reveal": SpeculativeConfig.resolve("DFLASH", str(dflash_reveal_dir), dflash_block_size=8,
                                                    num_draft_tokens=6),
         "ngram-tree": SpeculativeConfig.resolve("NGRAM"),
     }[which]

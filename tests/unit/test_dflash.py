@@ -439,6 +439,111 @@ def test_sampling_requests_draw_their_drafts(draft: DFlashDraftModel, target: Ca
                 assert tree.draft_probs[i, tok[i]] > 0  # never a token outside the request's top-k
 
 
+def _below(parents: list[int], node: int) -> list[bool]:
+    out = [False] * len(parents)
+    for i in range(1, len(parents)):
+        out[i] = parents[i] == node or out[parents[i]]
+    return out
+
+
+def test_sampling_requests_reveal_their_first_path(draft: DFlashDraftModel, target: CausalLM,
+                                                    draft_dir: Path) -> None:
+    """dflash_config.sample_reveal = 2: the drawn tree keeps the shape built from the first block forward;
+    the first-child path's first token, then its first two, are shown to the drafter in the block's first masks,
+    and every node below the shown token is drawn from the block's laws given them (siblings still distinct),
+    the others from the first forward's; batched (`propose_many`) as one at a time; greedy requests unchanged;
+    the field is read, written only when set, and refused past block_size - 2."""
+    cfg = replace(draft.config, sample_reveal=2)
+    assert DFlashConfig.from_hf(cfg.to_hf()).sample_reveal == 2 and "sample_reveal" not in draft.config.to_hf()
+    with pytest.raises(ValueError, match="sample_reveal must be in"):
+        replace(draft.config, sample_reveal=BS - 1)
+    model = DFlashDraftModel(cfg)
+    model.load_state_dict(draft.state_dict())
+    params = SamplingParams(temperature=0.8, top_k=20)
+    gen = torch.Generator().manual_seed(4)
+    lens = [4, 9]
+    hiddens = [torch.randn(n, 128, generator=gen) for n in lens]
+    roots = [11, 5]
+
+    def fresh(m: DFlashDraftModel, p: SamplingParams = params) -> list[DFlashDrafter]:
+        out = []
+        for n, h in zip(lens, hiddens, strict=True):
+            d = DFlashDrafter(m, target, spec(draft_dir, "ddtree", 24), p, torch.Generator().manual_seed(n), 64)
+            d.prefill(list(range(n)), h)
+            out.append(d)
+        return out
+
+    alone = [d.propose(r) for d, r in zip(fresh(model), roots, strict=True)]
+    batched = DFlashDrafter.propose_many(fresh(model), roots, [None, None])
+    for tree, d, root in zip(alone + batched, fresh(model) * 2, roots * 2, strict=True):
+        def law(shown: list[int], d: DFlashDrafter = d, root: int = root) -> torch.Tensor:
+            return target_probs(d._log_probs(d._block_hidden(root, BS - 1, shown)), params)  # [bs-1, V]
+
+        tok, par = tree.tokens.tolist(), tree.parents.tolist()
+        first = law([])
+        shape = build_ddtree(root, torch.log(first), 24)
+        assert par == shape.parents.tolist() and tok[0] == root
+        kids = tree.children()
+        c1 = kids[0][0]
+        c2 = kids[c1][0]
+        assert kids[c2], "the test needs a path three deep"
+        one, two = law([tok[c1]]), law([tok[c1], tok[c2]])
+        assert not torch.allclose(one[1], first[1])  # showing a token changes the laws
+        below1, below2 = _below(par, c1), _below(par, c2)
+        assert tree.draft_probs is not None
+        for i in range(1, len(tok)):
+            earlier = [tok[j] for j in range(1, i) if par[j] == par[i]]
+            assert tok[i] not in earlier
+            want = (two if below2[i] else one if below1[i] else first)[int(tree.depths[i]) - 1].clone()
+            want[earlier] = 0.0
+            torch.testing.assert_close(tree.draft_probs[i], want / want.sum(), atol=1e-5, rtol=1e-4)
+            assert tree.draft_probs[i, tok[i]] > 0
+    greedy = SamplingParams()
+    for a, b in zip(fresh(model, greedy), fresh(draft, greedy), strict=True):  # greedy_reveal 0: one forward
+        ta, tb = a.propose(roots[0]), b.propose(roots[0])
+        assert ta.tokens.tolist() == tb.tokens.tolist() and ta.draft_probs is None
+
+
+def test_greedy_requests_rebuild_below_their_first_path(draft: DFlashDraftModel, target: CausalLM,
+                                                        draft_dir: Path) -> None:
+    """dflash_config.greedy_reveal = 1: the DDTree's first node is shown to the drafter and the subtree below it
+    rebuilt as the best tree of as many nodes over the block's laws given it; the rest of the tree and its size
+    stay; batched as one at a time."""
+    from specserve.spec.ddtree import rebuild_below
+
+    sharp = replace(draft.config, tree_temperature=0.05)  # deep trees: the first node has a subtree
+    cfg = replace(sharp, greedy_reveal=1)
+    assert DFlashConfig.from_hf(cfg.to_hf()).greedy_reveal == 1 and "greedy_reveal" not in draft.config.to_hf()
+    with pytest.raises(ValueError, match="greedy_reveal must be in"):
+        replace(draft.config, greedy_reveal=-1)
+    model, base_model = DFlashDraftModel(cfg), DFlashDraftModel(sharp)
+    model.load_state_dict(draft.state_dict())
+    base_model.load_state_dict(draft.state_dict())
+    gen = torch.Generator().manual_seed(5)
+    lens, roots = [4, 9], [11, 5]
+    hiddens = [torch.randn(n, 128, generator=gen) for n in lens]
+
+    def fresh(m: DFlashDraftModel) -> list[DFlashDrafter]:
+        out = [drafter(m, target, draft_dir, "ddtree", n=12) for _ in lens]
+        for d, n, h in zip(out, lens, hiddens, strict=True):
+            d.prefill(list(range(n)), h)
+        return out
+
+    plain_trees = [d.propose(r) for d, r in zip(fresh(base_model), roots, strict=True)]
+    alone = [d.propose(r) for d, r in zip(fresh(model), roots, strict=True)]
+    batched = DFlashDrafter.propose_many(fresh(model), roots, [None, None])
+    for base, a, b, d, r in zip(plain_trees, alone, batched, fresh(model), roots, strict=True):
+        node = base.children()[0][0]
+        assert base.children()[node], "the test needs a subtree below the first node"
+        shown = d._log_probs(d._block_hidden(r, BS - 1, [int(base.tokens[node])]))[1:]  # depths 2..
+        shown = torch.log_softmax(shown / 0.05, dim=-1)[: int(base.depths.max())]  # one row deeper allowed
+        want, _ = rebuild_below(base, node, shown)
+        assert a.num_nodes == base.num_nodes == 12
+        for got in (a, b):
+            assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+        assert a.tokens.tolist() != base.tokens.tolist() or a.parents.tolist() != base.parents.tolist()
+
+
 @pytest.mark.parametrize("tau", [0.05, 50.0])  # sharp: a deep chain-like tree; flat: a wide shallow one
 def test_lm_head_rows_past_the_first_only_for_trees_that_reach_them(draft: DFlashDraftModel, target: CausalLM,
                                                                    draft_dir: Path, tau: float) -> None:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from specserve.spec.ddtree import build_ddtree
+from specserve.spec.ddtree import build_ddtree, rebuild_below
 from specserve.spec.eagle_tree import expand_eagle_tree
 from specserve.spec.tree import DraftTree
 
@@ -83,6 +83,28 @@ def test_ddtree_large_budget_structure_and_ties() -> None:
     flat = build_ddtree(1, torch.full((3, 4), -math.log(4)), 10)
     assert flat.num_nodes == 10 and len(set(node_paths(flat))) == 11
     assert build_ddtree(5, log_probs, 0).num_nodes == 0
+
+
+def test_rebuild_below_puts_the_best_subtree_of_its_size_under_a_node() -> None:
+    """The nodes outside the subtree keep their paths in order; below the node, the best DDTree of as many nodes
+    over the given rows, paths rooted at the node's path; a drawn tree is refused."""
+    g = torch.Generator().manual_seed(3)
+    first = torch.log_softmax(torch.randn(4, 6, generator=g), -1)
+    tree = build_ddtree(9, first, 10)
+    node = tree.children()[0][0]
+    paths = node_paths(tree)
+    size = sum(p[: len(paths[node])] == paths[node] and p != paths[node] for p in paths)
+    given = torch.log_softmax(3 * torch.randn(3, 6, generator=g), -1)
+    new, at = rebuild_below(tree, node, given)
+    new_paths = node_paths(new)  # also checks parents before children and depths
+    assert new.num_nodes == tree.num_nodes and new_paths[at] == paths[node] and int(new.tokens[0]) == 9
+    inside = [p for p in new_paths if p[: len(paths[node])] == paths[node] and p != paths[node]]
+    outside = [p for p in paths if not (p[: len(paths[node])] == paths[node] and p != paths[node])]
+    assert [p for p in new_paths if p not in inside] == outside
+    want = node_paths(build_ddtree(int(tree.tokens[node]), given, size))[1:]
+    assert inside == [paths[node] + p[1:] for p in [(0, *w) for w in want]]
+    with pytest.raises(ValueError, match="deterministic"):
+        rebuild_below(DraftTree(tree.tokens, tree.parents, tree.depths, torch.zeros(11, 6)), node, given)
 
 
 def test_ddtree_rejects_bad_input() -> None:

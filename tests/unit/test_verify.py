@@ -312,3 +312,37 @@ def test_drawn_tree_without_replacement_is_lossless() -> None:
         seqs.append(emitted(tok, verify_sampled(tree, p.probs[pid], gen)))
     assert {len(s) for s in seqs} == {1, 2, 3, 4}
     assert min(pvalues(seqs, p, 4, seed=53)) > ALPHA
+
+
+def test_a_tree_drawn_again_below_its_first_path_is_lossless() -> None:
+    """A DFlash tree revealed two tokens deep (`dflash_config.sample_reveal`): drawn from one law per depth, then
+    the subtree below the first child drawn again from laws that depend on that child's token, and below its
+    first child from laws that depend on both (`redraw_below`), verified by recursive rejection: the target's
+    law exactly. Recording the first draw's laws for the redrawn nodes instead is caught."""
+    from specserve.spec.sampled_tree import redraw_below
+
+    parents = [-1, 0, 0, 1, 1, 3, 3, 5]
+    depths = depths_of(parents)
+    p = PathTable(4, seed=60)
+    g = torch.Generator().manual_seed(61)
+    q = torch.softmax(torch.randn(4, V, generator=g), -1)  # [D, V] the first forward's laws
+    given1 = torch.softmax(2 * torch.randn(V, 3, V, generator=g), -1)  # [tok1, depths 2..4, V]
+    given2 = torch.softmax(2 * torch.randn(V, V, 2, V, generator=g), -1)  # [tok1, tok3, depths 3..4, V]
+    shape = DraftTree(tokens=torch.zeros(len(parents), dtype=torch.long), parents=torch.tensor(parents),
+                      depths=torch.tensor(depths))
+    gen = torch.Generator().manual_seed(62)
+    seqs: dict[bool, list[list[int]]] = {True: [], False: []}
+    for _ in range(8000):
+        first = draw_tree(shape, q, gen)
+        tree = redraw_below(first, 1, given1[int(first.tokens[1])], gen, first_depth=2)
+        tree = redraw_below(tree, 3, given2[int(tree.tokens[1]), int(tree.tokens[3])], gen, first_depth=3)
+        tok = tree.tokens.tolist()
+        pid = [p.offsets[0]]
+        for i in range(1, len(tok)):
+            pid.append(int(p.child(torch.tensor(pid[parents[i]]), depths[parents[i]], torch.tensor(tok[i]))))
+        wrong = DraftTree(tree.tokens, tree.parents, tree.depths, first.draft_probs)  # the first draw's laws
+        for right, t in ((True, tree), (False, wrong)):
+            seqs[right].append(emitted(tok, verify_sampled(t, p.probs[pid], gen)))
+    assert {len(s) for s in seqs[True]} == {1, 2, 3, 4, 5}
+    assert min(pvalues(seqs[True], p, 5, seed=63)) > ALPHA
+    assert min(pvalues(seqs[False], p, 5, seed=63)) < POWER

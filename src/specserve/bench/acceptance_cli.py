@@ -22,9 +22,22 @@ def add_acceptance_parser(subparsers: Any) -> None:
                    help="default 32 for heldout-code (short horizon), 128 otherwise")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="sampled runs at seeds --seed .. --seed+N-1 in one process (temperature > 0): the report "
+                        "adds their accept lengths, mean, standard deviation and standard error")
     p.add_argument("--reference-draft", default=None, help="a reference drafter to compare ours with")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (always printed to stdout too)")
     p.set_defaults(func=cmd_acceptance)
+
+
+def seed_summary(accept_lengths: list[float], first_seed: int) -> dict[str, Any]:
+    """Accept lengths of runs at seeds first_seed, first_seed+1, ... -> their mean, sample standard deviation
+    and standard error of the mean (the spread a sampled figure needs beside it)."""
+    n = len(accept_lengths)
+    mean = sum(accept_lengths) / n
+    sd = (sum((x - mean) ** 2 for x in accept_lengths) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return {"seeds": list(range(first_seed, first_seed + n)), "accept_length": accept_lengths,
+            "mean": round(mean, 4), "sd": round(sd, 4), "se": round(sd / n**0.5, 4)}
 
 
 def cmd_acceptance(a: argparse.Namespace) -> int:
@@ -41,12 +54,21 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
     spec = speculative_from_args(a)
     if not spec.enabled:
         raise ValueError("--speculative-algorithm is required (acceptance compares it with plain decoding)")
+    if a.seeds < 1 or (a.seeds > 1 and a.temperature == 0):
+        raise ValueError(f"--seeds {a.seeds}: give at least 1, and more than 1 only with --temperature > 0 "
+                         "(greedy decoding does not depend on the seed)")
     llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec)
     reference = None
     if a.reference_draft:
         ref_spec = replace(spec, draft_model_path=a.reference_draft)
         reference = DrafterBuilder(plan_drafter(ref_spec, llm.config), llm.model, llm.device, llm.dtype)
     report = run_acceptance(llm, tasks, params, reference)
+    if a.seeds > 1:
+        runs = [report] + [run_acceptance(llm, tasks, replace(params, seed=a.seed + k), reference)
+                           for k in range(1, a.seeds)]
+        report = {**report, "seeds": seed_summary([r["summary"]["accept_length"] for r in runs], a.seed),
+                  "runs": [{"seed": a.seed + k, "summary": r["summary"], "tasks": r["tasks"]}
+                           for k, r in enumerate(runs)]}
     report["config"]["suite"] = a.suite
     report["command_line"] = sys.argv
     text = json.dumps(report, indent=2)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from specserve.spec.tree import DraftTree
+from specserve.spec.tree import DraftTree, descendants
 
 _LOG_PROB_SLACK = 1e-4  # log_softmax can round a little above 0
 
@@ -71,3 +71,24 @@ def build_ddtree(root: int, log_probs: torch.Tensor, budget: int) -> DraftTree:
         parents=torch.tensor(parents, dtype=torch.long, device=device),
         depths=torch.tensor(depths, dtype=torch.long, device=device),
     )
+
+
+def rebuild_below(tree: DraftTree, node: int, log_probs: torch.Tensor) -> tuple[DraftTree, int]:
+    """The subtree below `node` replaced by the best DDTree of as many nodes over log_probs [D, V] (row k = the
+    log-distribution of a token k+1 below `node`), rooted at node's token. Nodes outside the subtree keep their
+    order; the new subtree follows them, parents still before children. Deterministic trees only (draft_probs
+    None). -> (the tree, node's index in it)."""
+    if tree.draft_probs is not None:
+        raise ValueError("rebuild_below builds deterministic trees; a drawn tree is drawn again by redraw_below")
+    below = descendants(tree.parents.tolist(), node)
+    keep = [i for i, b in enumerate(below) if not b]
+    index = {old: k for k, old in enumerate(keep)}
+    sub = build_ddtree(int(tree.tokens[node]), log_probs, sum(below))
+    parents = tree.parents.tolist()
+    at = len(keep) - 1  # sub's node j > 0 becomes at + j
+    device = tree.tokens.device
+    tokens = torch.cat((tree.tokens[keep], sub.tokens[1:].to(device)))
+    new_parents = [index[parents[i]] if i else -1 for i in keep] + [
+        index[node] if p == 0 else at + p for p in sub.parents[1:].tolist()]
+    depths = torch.cat((tree.depths[keep], sub.depths[1:].to(device) + int(tree.depths[node])))
+    return DraftTree(tokens, torch.tensor(new_parents, dtype=torch.long, device=device), depths), index[node]

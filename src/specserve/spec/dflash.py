@@ -16,9 +16,10 @@ the target's picks). Sampling requests get *sampled* drafts: q_d = the request's
 top-k/p) of the drafter's depth-d distribution at `dflash_config.sample_temperature` (a calibration); a chain
 draws one token per depth from q_d, a DDTree keeps the shape of the best tree over q and draws its tokens
 (`sampled_tree.draw_tree`: siblings without replacement; q_d does not depend on the path, as the block is
-drafted in one pass). They verify by recursive rejection (`verify.verify_sampled`, SpecInfer), accepting a
-sibling with min(1, p/q): where the target is uncertain that accepts more than a fixed top-k set covers
-(coding10 at temperature 0.7: see the drafter's card).
+drafted in one pass, unless `dflash_config.sample_reveal` shows the drafter the tree's first path: `_reveal`,
+one more block forward per token shown). They verify by recursive rejection (`verify.verify_sampled`,
+SpecInfer), accepting a sibling with min(1, p/q): where the target is uncertain that accepts more than a fixed
+top-k set covers (coding10 at temperature 0.7: see the drafter's card).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
-from specserve.spec.ddtree import build_ddtree
+from specserve.spec.ddtree import build_ddtree, rebuild_below
 from specserve.spec.dflash_checkpoint import check_against_target, dflash_block_size
 from specserve.spec.dflash_model import FLAG, DFlashDraftModel
 from specserve.spec.drafter import Drafter
-from specserve.spec.sampled_tree import draw_tree
+from specserve.spec.sampled_tree import draw_tree, redraw_below
 from specserve.spec.tree import DraftTree
 from specserve.types import SamplingParams
 
@@ -113,12 +114,14 @@ class DFlashDrafter(Drafter):
         n = self._rows(rows)
         return self._log_probs(self._block_hidden(root, n))
 
-    def _block_hidden(self, root: int, rows: int) -> torch.Tensor:
+    def _block_hidden(self, root: int, rows: int, revealed: Sequence[int] = ()) -> torch.Tensor:
         """[rows, H]: the block forward's outputs at masks 1..rows (LM-head ready); the block is whole either
-        way, only the last layer's later positions are skipped."""
+        way, only the last layer's later positions are skipped. `revealed`: tokens shown in the first masks."""
         self._flush()
         ids = self._block_ids.clone()
         ids[0, 0] = root
+        if revealed:
+            ids[0, 1:1 + len(revealed)] = torch.tensor(list(revealed), device=self.device)
         noise = self.target.embed(ids).to(self.dtype)  # [1, bs, H]
         positions = (self._offsets + self.length)[None]  # [1, bs]
         hidden = self.draft(noise, positions, self.draft.cached_context(self.cache, self.length), None,
@@ -152,7 +155,15 @@ class DFlashDrafter(Drafter):
         rows = self.rows_needed(max_drafts)
         hidden = self._block_hidden(root, rows)  # [rows, H]
         first = self.lazy_rows(max_drafts)
-        return self._tree_lazily(root, self._log_probs(hidden[:first]), hidden[first:rows], max_drafts)
+        tree = self._tree_lazily(root, self._log_probs(hidden[:first]), hidden[first:rows], max_drafts)
+        return _reveal([self], [root], [tree])[0]
+
+    @property
+    def reveal_levels(self) -> int:
+        """Tokens of the tree's first-child path shown to the drafter, one more block forward each
+        (`dflash_config.greedy_reveal` / `sample_reveal`, at most bs-2: a mask must stay)."""
+        cfg = self.draft.config
+        return min(cfg.greedy_reveal if self.params.greedy else cfg.sample_reveal, self.block_size - 2)
 
     def lazy_rows(self, max_drafts: int | None) -> int:
         """Block rows whose LM head is computed up front. A DDTree rarely reaches the block's far end (on the
@@ -195,8 +206,9 @@ class DFlashDrafter(Drafter):
         for j, i in enumerate(more):
             assert extra is not None
             heads[i] = torch.cat((head[i], extra[j, : first[i] - lo]))  # [first_i, V]
-        return [d._tree_lazily(r, h, hidden[i, f:n], m)
-                for i, (d, r, m, h, f, n) in enumerate(zip(group, roots, max_drafts, heads, first, rows, strict=True))]
+        trees = [d._tree_lazily(r, h, hidden[i, f:n], m)
+                 for i, (d, r, m, h, f, n) in enumerate(zip(group, roots, max_drafts, heads, first, rows, strict=True))]
+        return _reveal(group, roots, trees)
 
     def _tree(self, root: int, log_probs: torch.Tensor, max_drafts: int | None) -> DraftTree:
         n = self._draft_nodes(max_drafts)
@@ -215,9 +227,61 @@ class DFlashDrafter(Drafter):
         return DraftTree.chain(root, log_probs[:n].argmax(dim=-1))  # drafts [n]
 
 
-def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int], rows: int) -> torch.Tensor:
+def _reveal(drafters: Sequence[DFlashDrafter], roots: list[int], trees: list[DraftTree]) -> list[DraftTree]:
+    """Trees made again below their first-child paths (`dflash_config.sample_reveal` / `greedy_reveal`). A block's
+    deeper laws are marginals over the tokens before them, which the path does not follow (a drawn path least of
+    all); so at level j every request still going shows the drafter its root and the first j tokens of its path
+    in the block's first masks (one block forward for all of them), and below the path's j-th node a sampling
+    request's subtree is drawn again from the block's laws given them (`sampled_tree.redraw_below`, same shape,
+    each node keeping the law it was drawn from) and a greedy request's is rebuilt as the best tree of as many
+    nodes over them (`ddtree.rebuild_below`, one row deeper allowed). Laws depend on drafts only, so
+    verification stays exact. (Also tried for sampling on coding10 at T 0.7, not kept: every node of a level
+    shown, and the drawn subtree's shape rebuilt; neither beat the first path alone over ten seeds.)"""
+    levels = max(d.reveal_levels for d in drafters)
+    if not levels:
+        return trees
+    trees = list(trees)
+    paths: list[list[int]] = [[] for _ in trees]  # per request: the path's nodes shown so far
+    for level in range(1, levels + 1):
+        going: list[int] = []
+        for i, (d, tree) in enumerate(zip(drafters, trees, strict=True)):
+            if level > d.reveal_levels or len(paths[i]) != level - 1:
+                continue
+            kids = tree.children()
+            at = paths[i][-1] if paths[i] else 0
+            if kids[at] and kids[kids[at][0]]:  # a first child with a subtree below it to draw again
+                paths[i].append(kids[at][0])
+                going.append(i)
+        if not going:
+            break
+        # the rows the trees reach (a greedy subtree may grow one deeper), within every block
+        rows = min(min(drafters[i].block_size for i in going) - 1,
+                   max(int(trees[i].depths.max()) + int(drafters[i].params.greedy) for i in going))
+        shown = [trees[i].tokens[paths[i]].tolist() for i in going]
+        group = [drafters[i] for i in going]
+        if len(group) > 1 and all(d.draft is group[0].draft and d.block_size == group[0].block_size for d in group):
+            hidden = _block_hidden_many(group, [roots[i] for i in going], rows, shown)  # [G, rows, H]
+        else:
+            hidden = torch.stack([d._block_hidden(roots[i], rows, s)
+                                  for d, i, s in zip(group, going, shown, strict=True)])
+        log_probs = group[0]._log_probs(hidden[:, level:rows])  # [G, rows-level, V]: depths level+1 .. rows
+        for j, (d, i) in enumerate(zip(group, going, strict=True)):
+            cfg = d.draft.config
+            if d.params.greedy:
+                lp = log_probs[j] if cfg.tree_temperature == 1.0 else torch.log_softmax(
+                    log_probs[j] / cfg.tree_temperature, dim=-1)
+                trees[i], paths[i][-1] = rebuild_below(trees[i], paths[i][-1], lp)
+            else:
+                q = target_probs(log_probs[j] / cfg.sample_temperature, d.params)
+                trees[i] = redraw_below(trees[i], paths[i][-1], q, d.gen, first_depth=level + 1)
+    return trees
+
+
+def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int], rows: int,
+                       revealed: list[list[int]] | None = None) -> torch.Tensor:
     """`_block_hidden` of B requests in one forward: each block attends to its own context (padded to the
-    longest, masked) and itself. -> [B, rows, H]."""
+    longest, masked) and itself; `revealed` (as many per request): tokens shown in the first masks.
+    -> [B, rows, H]."""
     first = drafters[0]
     _flush_many(drafters)
     b, bs, dev = len(drafters), first.block_size, first.device
@@ -225,6 +289,8 @@ def _block_hidden_many(drafters: list[DFlashDrafter], roots: list[int], rows: in
     longest = int(lengths.max())
     ids = first._block_ids.expand(b, bs).clone()
     ids[:, 0] = torch.tensor(roots, device=dev)
+    if revealed and revealed[0]:
+        ids[:, 1:1 + len(revealed[0])] = torch.tensor(revealed, device=dev)
     noise = first.target.embed(ids).to(first.dtype)  # [B, bs, H]
     positions = lengths[:, None] + first._offsets[None]  # [B, bs]
     context = []

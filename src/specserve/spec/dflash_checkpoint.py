@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -128,11 +129,12 @@ def init_random_dflash(
     target_cfg: ModelConfig, path: Path, seed: int = 0, *, num_hidden_layers: int = 2, block_size: int = 16,
     target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
     intermediate_size: int | None = None, num_attention_heads: int | None = None,
-    num_key_value_heads: int | None = None, head_dim: int | None = None,
+    num_key_value_heads: int | None = None, head_dim: int | None = None, **calibration: Any,
 ) -> DFlashConfig:
     """Write a random-weight drafter for `target_cfg` (HF-style init: N(0, 0.02) weights, unit norms).
     Defaults: the target's head layout, num_hidden_layers tapped layers spread by `default_target_layer_ids`,
-    mask token = the last vocabulary id (padded vocabularies leave it unused)."""
+    mask token = the last vocabulary id (padded vocabularies leave it unused); `calibration`: DFlashConfig's
+    calibration fields (tree_temperature, sample_temperature, sample_reveal, greedy_reveal)."""
     body = replace(
         target_cfg, architecture=ARCH, num_hidden_layers=num_hidden_layers, qk_norm=True, tie_word_embeddings=False,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
@@ -142,7 +144,7 @@ def init_random_dflash(
     )
     ids = tuple(target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, num_hidden_layers))
     mask = target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id
-    cfg = DFlashConfig(body, ids, mask, block_size, target_cfg.num_hidden_layers)
+    cfg = DFlashConfig(body, ids, mask, block_size, target_cfg.num_hidden_layers, **calibration)
     module = DFlashDraftModel(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

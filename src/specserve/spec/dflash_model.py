@@ -63,6 +63,15 @@ class DFlashConfig:
     # For a request that samples at temperature T, drafts are drawn from the block's distributions at
     # T * sample_temperature (> 1 flattens a drafter surer of itself than the target); also a calibration
     sample_temperature: float = 1.0
+    # For a request that samples, the drawn tree's first-child path is shown to the drafter this many tokens
+    # deep, one more block forward per token, and the subtree below each shown token drawn again from the
+    # block's laws given it (0: the one forward's laws, marginals over the tokens before each position); a
+    # calibration too (`specserve train calibrate --field sample_reveal`)
+    sample_reveal: int = 0
+    # For a greedy request, the DDTree's first path shown this many tokens deep, and the subtree below each shown
+    # token rebuilt, as large as it was, as the best tree over the block's laws given it (more accepted tokens for
+    # one more block forward per token: a gain where the drafter's forward is cheap next to the target's)
+    greedy_reveal: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tree_temperature", "sample_temperature"):
@@ -70,6 +79,10 @@ class DFlashConfig:
                 raise ValueError(f"dflash_config.{name} must be > 0, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (the root plus one mask), got {self.block_size}")
+        for name in ("sample_reveal", "greedy_reveal"):
+            if not 0 <= getattr(self, name) <= self.block_size - 2:
+                raise ValueError(f"dflash_config.{name} must be in [0, block_size - 2 = {self.block_size - 2}] "
+                                 f"(a mask must stay), got {getattr(self, name)}")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ValueError(f"dflash_config.target_layer_ids must be non-empty and >= 0, got {self.target_layer_ids}")
         if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
@@ -120,7 +133,8 @@ class DFlashConfig:
             ids = default_target_layer_ids(int(num_target), body.num_hidden_layers)
         return cls(body, tuple(int(i) for i in ids), int(mask), int(get("block_size") or 16),
                    None if num_target is None else int(num_target), float(dcfg.get("tree_temperature", 1.0)),
-                   float(dcfg.get("sample_temperature", 1.0)))
+                   float(dcfg.get("sample_temperature", 1.0)), int(dcfg.get("sample_reveal", 0)),
+                   int(dcfg.get("greedy_reveal", 0)))
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         b = self.body
@@ -141,6 +155,9 @@ class DFlashConfig:
         }
         for name in ("tree_temperature", "sample_temperature"):
             if getattr(self, name) != 1.0:
+                out["dflash_config"][name] = getattr(self, name)
+        for name in ("sample_reveal", "greedy_reveal"):
+            if getattr(self, name):
                 out["dflash_config"][name] = getattr(self, name)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers

@@ -68,3 +68,11 @@ class DraftTree:
             if p >= 0:
                 kids[p].append(i)
         return kids
+
+
+def descendants(parents: list[int], node: int) -> list[bool]:
+    """parents (parents[i] < i) -> [N+1] bool: node i lies below `node` (node itself excluded)."""
+    below = [False] * len(parents)
+    for i in range(1, len(parents)):
+        below[i] = parents[i] == node or below[parents[i]]
+    return below

@@ -101,13 +101,20 @@ def _export(a: argparse.Namespace) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
-    from specserve.train.calibrate import GREEDY_GRID, SAMPLED_GRID, CalibrateConfig, calibrate_tree_temperature
+    from specserve.train.calibrate import (
+        GREEDY_GRID,
+        REVEAL_GRID,
+        SAMPLED_GRID,
+        CalibrateConfig,
+        calibrate_tree_temperature,
+    )
 
-    grid = a.grid if a.grid is not None else GREEDY_GRID if a.temperature == 0 else SAMPLED_GRID
+    grid = (a.grid if a.grid is not None else REVEAL_GRID if a.field in ("greedy_reveal", "sample_reveal")
+            else GREEDY_GRID if a.temperature == 0 else SAMPLED_GRID)
     print(json.dumps(calibrate_tree_temperature(CalibrateConfig(
         drafter=a.drafter, suite=a.suite, grid=tuple(grid), target=a.target, num_prompts=a.prompts,
         max_new_tokens=a.max_new_tokens, ddtree_budget=a.ddtree_budget, write=a.write,
-        temperature=a.temperature, seeds=a.seeds))))
+        temperature=a.temperature, seeds=a.seeds, field=a.field))))
     return 0
 
 
@@ -196,6 +203,11 @@ def add_train_parsers(subparsers: Any) -> None:
     c.add_argument("--temperature", type=float, default=0.0,
                    help="0: calibrate dflash_config.tree_temperature on greedy decoding; > 0: calibrate "
                         "dflash_config.sample_temperature on decoding sampled at this temperature")
+    c.add_argument("--field", choices=("tree_temperature", "sample_temperature", "greedy_reveal", "sample_reveal"),
+                   default=None,
+                   help="the dflash_config field to calibrate (default: tree_temperature, or sample_temperature with "
+                        "--temperature > 0); greedy_reveal / sample_reveal (with --temperature > 0): how many tokens "
+                        "of a greedy / sampled tree's first path the drafter is shown, grid default 0 1 2 3")
     c.add_argument("--seeds", type=int, default=2, help="sampled runs averaged per temperature (with --temperature)")
     c.add_argument("--prompts", type=int, default=64, help="prompts of the suite to use")
     c.add_argument("--max-new-tokens", type=int, default=32)
