@@ -14,14 +14,21 @@ from specserve.spec.dflash_checkpoint import init_random_dflash, read_dflash_con
 from specserve.train.calibrate import CalibrateConfig
 
 
-def test_calibrate_measures_the_grid_and_writes_the_best(tiny_dir: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def drafter_and_suite(tiny_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A random one-layer DFlash drafter for the tiny target, and a prompts file as `specserve.train.prompts`
+    writes it (no names)."""
     _, cfg, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
     drafter = tmp_path / "dflash"
     init_random_dflash(cfg, drafter, seed=3, num_hidden_layers=1)
-    weights = (drafter / "model.safetensors").read_bytes()
-    suite = tmp_path / "val.jsonl"  # a prompts file as `specserve.train.prompts` writes it: no names
+    suite = tmp_path / "val.jsonl"
     suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "for i in range(")))
+    return drafter, suite
+
+
+def test_calibrate_measures_the_grid_and_writes_the_best(tiny_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    drafter, suite = drafter_and_suite(tiny_dir, tmp_path)
+    weights = (drafter / "model.safetensors").read_bytes()
     args = ["train", "calibrate", "--drafter", str(drafter), "--target", str(tiny_dir), "--suite", str(suite),
             "--grid", "0.5", "1.0", "--max-new-tokens", "8", "--ddtree-budget", "4"]
     assert main(args) == 0
@@ -41,11 +48,7 @@ def test_calibrate_sample_temperature_on_sampled_decoding(tiny_dir: Path, tmp_pa
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """--temperature > 0 calibrates dflash_config.sample_temperature, averaged over --seeds sampled runs; the
     greedy tree temperature is left alone."""
-    _, cfg, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
-    drafter = tmp_path / "dflash"
-    init_random_dflash(cfg, drafter, seed=3, num_hidden_layers=1)
-    suite = tmp_path / "val.jsonl"
-    suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "for i in range(")))
+    drafter, suite = drafter_and_suite(tiny_dir, tmp_path)
     assert main(["train", "calibrate", "--drafter", str(drafter), "--target", str(tiny_dir), "--suite", str(suite),
                  "--temperature", "0.9", "--seeds", "2", "--grid", "1.0", "1.5", "--max-new-tokens", "8",
                  "--ddtree-budget", "4", "--write"]) == 0
@@ -61,11 +64,7 @@ def test_calibrate_reveal(tiny_dir: Path, tmp_path: Path, capsys: pytest.Capture
                           temperature: str) -> None:
     """--field sample_reveal | greedy_reveal measures how deep a sampled | greedy tree's first path is shown to the
     drafter (whole numbers), writes the best as a whole number and leaves the temperatures alone."""
-    _, cfg, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
-    drafter = tmp_path / "dflash"
-    init_random_dflash(cfg, drafter, seed=3, num_hidden_layers=1)
-    suite = tmp_path / "val.jsonl"
-    suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "for i in range(")))
+    drafter, suite = drafter_and_suite(tiny_dir, tmp_path)
     assert main(["train", "calibrate", "--drafter", str(drafter), "--target", str(tiny_dir), "--suite", str(suite),
                  "--temperature", temperature, "--field", field, "--grid", "0", "2", "--max-new-tokens", "8",
                  "--ddtree-budget", "6", "--write"]) == 0

@@ -23,6 +23,7 @@ from specserve.spec.decode import generate_speculative
 from specserve.spec.dflash import DFlashDrafter
 from specserve.spec.dflash_checkpoint import check_dflash, init_random_dflash, load_dflash, save_dflash
 from specserve.spec.dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from specserve.spec.tree import descendants
 from specserve.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -439,13 +440,6 @@ def test_sampling_requests_draw_their_drafts(draft: DFlashDraftModel, target: Ca
                 assert tree.draft_probs[i, tok[i]] > 0  # never a token outside the request's top-k
 
 
-def _below(parents: list[int], node: int) -> list[bool]:
-    out = [False] * len(parents)
-    for i in range(1, len(parents)):
-        out[i] = parents[i] == node or out[parents[i]]
-    return out
-
-
 def test_sampling_requests_reveal_their_first_path(draft: DFlashDraftModel, target: CausalLM,
                                                     draft_dir: Path) -> None:
     """dflash_config.sample_reveal = 2: the drawn tree keeps the shape built from the first block forward;
@@ -489,7 +483,7 @@ def test_sampling_requests_reveal_their_first_path(draft: DFlashDraftModel, targ
         assert kids[c2], "the test needs a path three deep"
         one, two = law([tok[c1]]), law([tok[c1], tok[c2]])
         assert not torch.allclose(one[1], first[1])  # showing a token changes the laws
-        below1, below2 = _below(par, c1), _below(par, c2)
+        below1, below2 = descendants(par, c1), descendants(par, c2)
         assert tree.draft_probs is not None
         for i in range(1, len(tok)):
             earlier = [tok[j] for j in range(1, i) if par[j] == par[i]]

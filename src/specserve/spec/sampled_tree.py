@@ -67,10 +67,10 @@ def redraw_below(tree: DraftTree, node: int, q: torch.Tensor, generator: torch.G
     device = q.device
     depths = tree.depths.to(device)
     rows_at = depths - first_depth  # [N+1]: row of q each node's law is at
-    deepest = max(int(rows_at[i]) for nodes in by_rank for i in nodes)
-    if min(int(rows_at[i]) for i in by_rank[0]) < 0 or deepest >= q.shape[0]:
+    reached = [int(depths[i]) for nodes in by_rank for i in nodes]
+    if min(reached) < first_depth or max(reached) >= first_depth + q.shape[0]:
         raise ValueError(f"q has laws for depths {first_depth}..{first_depth + q.shape[0] - 1}, but the nodes "
-                         f"below node {node} reach depth {deepest + first_depth}")
+                         f"below node {node} are at depths {min(reached)}..{max(reached)}")
     tokens = tree.tokens.clone().to(device)  # [N+1]
     probs = tree.draft_probs.clone().to(device)  # [N+1, V]
     for r, nodes in enumerate(by_rank):
