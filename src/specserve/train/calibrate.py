@@ -72,7 +72,6 @@ class CalibrateConfig:
         if self.suite in ("heldout-code", "coding10"):
             raise ValueError(f"--suite {self.suite}: calibrate on training-split prompts, not an evaluation suite")
 
-
     @property
     def calibrated(self) -> str:
         """The dflash_config field the grid is for."""

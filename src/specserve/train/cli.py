@@ -104,12 +104,13 @@ def _calibrate(a: argparse.Namespace) -> int:
     from specserve.train.calibrate import (
         GREEDY_GRID,
         REVEAL_GRID,
+        REVEALS,
         SAMPLED_GRID,
         CalibrateConfig,
         calibrate_tree_temperature,
     )
 
-    grid = (a.grid if a.grid is not None else REVEAL_GRID if a.field in ("greedy_reveal", "sample_reveal")
+    grid = (a.grid if a.grid is not None else REVEAL_GRID if a.field in REVEALS
             else GREEDY_GRID if a.temperature == 0 else SAMPLED_GRID)
     print(json.dumps(calibrate_tree_temperature(CalibrateConfig(
         drafter=a.drafter, suite=a.suite, grid=tuple(grid), target=a.target, num_prompts=a.prompts,
@@ -206,8 +207,9 @@ def add_train_parsers(subparsers: Any) -> None:
     c.add_argument("--field", choices=("tree_temperature", "sample_temperature", "greedy_reveal", "sample_reveal"),
                    default=None,
                    help="the dflash_config field to calibrate (default: tree_temperature, or sample_temperature with "
-                        "--temperature > 0); greedy_reveal / sample_reveal (with --temperature > 0): how many tokens "
-                        "of a greedy / sampled tree's first path the drafter is shown, grid default 0 1 2 3")
+                        "--temperature > 0); greedy_reveal (--temperature 0) / sample_reveal (--temperature > 0): how "
+                        "many tokens of a greedy / sampled tree's first path the drafter is shown, grid default "
+                        "0 1 2 3")
     c.add_argument("--seeds", type=int, default=2, help="sampled runs averaged per temperature (with --temperature)")
     c.add_argument("--prompts", type=int, default=64, help="prompts of the suite to use")
     c.add_argument("--max-new-tokens", type=int, default=32)
