@@ -16,9 +16,16 @@ syntax and parser; the resolved configuration is passed to the server flag by fl
 After an untimed warm-up of each server (one short request, then each of the 20 built-in `coding` prompts
 once, which also puts them in the prefix cache for every level alike), --rounds rounds: in each, every level
 runs on every server in turn (the servers' order rotates from round to round), so a slow drift of this
-machine's speed hits every configuration alike. A level sends max(--num-prompts, 2 x concurrency) streamed
-requests of those prompts (shuffled with seed 0, cycled), --output-len tokens each (ignore_eos, so every
-configuration generates the same number of tokens), at --temperature (sampled requests carry seed 0).
+machine's speed hits every configuration alike. A level sends max(--num-prompts, --requests-per-slot x
+concurrency) streamed requests of those prompts (shuffled with seed 0, cycled), --output-len tokens each
+(ignore_eos, so every configuration generates the same number of tokens), at --temperature (sampled requests
+carry seed 0). A level ends with a drain: the last requests finish in a shrinking batch. Plain decoding keeps
+a wave of requests in step, so its drain is short; speculation finishes each request when its acceptance
+allows, so its drain is as long as the requests' spread and runs at small batches: with 2 requests per slot at
+concurrency 16 (the default before session 22), DFLASH adaptive spent 30% of its decode time in passes of
+under 12 requests against NONE's 4%, and measured 0.94x NONE while its full-batch passes ran 1.09x NONE's
+(`runs/serving/s22a_c16_t0.json`). A serving benchmark measures the steady state (SGLang's bench_serving sends
+hundreds of requests per run), so the default is 8 requests per slot.
 A level's tok/s is the median over the rounds, its ratio to NONE the median of the per-round ratios (each
 against the NONE level of the same round); the rounds' own figures are kept beside them.
 With --against-src DIR every speculative configuration also runs a second time from another source tree
@@ -114,8 +121,8 @@ def plan_variants(model: str, configs: list[str], extra: list[str],
     return variants
 
 
-def level_count(num_prompts: int, concurrency: int) -> int:
-    return max(num_prompts, 2 * concurrency)
+def level_count(num_prompts: int, concurrency: int, per_slot: int) -> int:
+    return max(num_prompts, per_slot * concurrency)
 
 
 @dataclass
@@ -197,7 +204,7 @@ async def measure(live: list[Live], args: argparse.Namespace) -> None:
         order = list(range(len(live)))
         for r in range(args.rounds):
             for c in args.concurrency:
-                prompts = sample_prompts(dataset, level_count(args.num_prompts, c), SEED)
+                prompts = sample_prompts(dataset, level_count(args.num_prompts, c, args.requests_per_slot), SEED)
                 for i in order[r % len(order):] + order[: r % len(order)]:
                     s = live[i]
                     if s.entry["error"]:
@@ -337,7 +344,10 @@ def main() -> int:
     ap.add_argument("--model", default="demo", help="`demo` or a checkpoint directory (served by every server)")
     ap.add_argument("--config", action="append", default=[], help="e.g. 'NGRAM draft=12' (repeatable; default NGRAM)")
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
-    ap.add_argument("--num-prompts", type=int, default=32, help="requests per level (at least 2 x concurrency)")
+    ap.add_argument("--num-prompts", type=int, default=32,
+                    help="requests per level (at least --requests-per-slot x concurrency)")
+    ap.add_argument("--requests-per-slot", type=int, default=8,
+                    help="a level sends at least this many requests per concurrent client (see the docstring)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="each level this many times per configuration, interleaved; figures are medians")
     ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
@@ -355,8 +365,8 @@ def main() -> int:
         a.concurrency = [int(c) for c in a.concurrency.split(",") if c.strip()]
         if not a.concurrency or min(a.concurrency) < 1:
             raise ValueError(f"--concurrency needs levels >= 1 like 1,4,16,32, got {a.concurrency}")
-        if a.num_prompts < 1 or a.output_len < 1 or a.rounds < 1:
-            raise ValueError("--num-prompts, --output-len and --rounds must be >= 1")
+        if a.num_prompts < 1 or a.output_len < 1 or a.rounds < 1 or a.requests_per_slot < 1:
+            raise ValueError("--num-prompts, --requests-per-slot, --output-len and --rounds must be >= 1")
         modes = tuple(m.strip() for m in a.modes.split(","))
         if not modes or any(m not in ("fixed", "adaptive") for m in modes):
             raise ValueError(f"--modes {a.modes!r}: a comma-separated subset of fixed,adaptive")
@@ -382,7 +392,7 @@ def main() -> int:
     report = {
         "benchmark": "serving_concurrency", "model": a.model, "command_line": sys.argv,
         "concurrency": a.concurrency, "rounds": a.rounds,
-        "requests_per_level": {str(c): level_count(a.num_prompts, c) for c in a.concurrency},
+        "requests_per_level": {str(c): level_count(a.num_prompts, c, a.requests_per_slot) for c in a.concurrency},
         "output_len": a.output_len, "temperature": a.temperature, "dataset": "coding", "ignore_eos": True,
         "extra_serve_args": a.extra_serve_args, "against_src": a.against_src, "machine": platform.machine(),
         "cpus": os.cpu_count(), "torch": torch.__version__,

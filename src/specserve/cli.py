@@ -27,7 +27,8 @@ def _generate(a: argparse.Namespace) -> int:
 
     params = sampling_from_args(a)  # validate flags before loading anything
     spec = speculative_from_args(a)
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec,
+              draft_dtype=a.speculative_draft_dtype)
     prompt = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])

@@ -47,6 +47,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-ngram-min-match", type=int, default=1)
     g.add_argument("--speculative-ngram-max-match", type=int, default=8)
     g.add_argument("--speculative-ngram-max-breadth", type=int, default=4)
+    g.add_argument("--speculative-draft-dtype", default="auto",
+                   help="the drafter's weights: auto (bfloat16 for DFLASH on a CPU with native bf16, else the "
+                        "target's dtype), float32, float16, bfloat16; the target verifies in its own dtype")
 
 
 def speculative_from_args(a: argparse.Namespace) -> SpeculativeConfig:

@@ -23,12 +23,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
     try:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(
-            f"--dtype {name!r} is not supported; use one of float32, float16, bfloat16"
+            f"{flag} {name!r} is not supported; use one of auto, float32, float16, bfloat16"
         ) from None
 
 

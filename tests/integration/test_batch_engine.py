@@ -30,7 +30,11 @@ from specserve.spec.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-SPECS = ["plain", "ngram-trie", "ngram-chain", "eagle3-chain", "eagle3-tree", "dflash-ddtree", "dflash-reveal"]
+SPECS = ["plain", "ngram-trie", "ngram-chain", "eagle3-chain", "eagle3-tree", "dflash-ddtree", "dflash-reveal",
+         "dflash-bf16", "eagle3-bf16"]
+#: drafters run in bfloat16 on the float32 target (`--speculative-draft-dtype`): proposals round differently,
+#: the target's verification does not
+BF16_DRAFTERS = {"dflash-bf16": "dflash-ddtree", "eagle3-bf16": "eagle3-chain"}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,7 @@ def draft_dirs(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> dict[str, 
 def spec_for(name: str, dirs: dict[str, Path]) -> SpeculativeConfig | None:
     r = SpeculativeConfig.resolve
     e, f = str(dirs["eagle3"]), str(dirs["dflash"])
+    name = BF16_DRAFTERS.get(name, name)
     return {
         "plain": None,
         "ngram-trie": r("NGRAM"),
@@ -71,8 +76,9 @@ def builders(llm: LLM, draft_dirs: dict[str, Path]) -> dict[str, DrafterBuilder 
     out: dict[str, DrafterBuilder | None] = {}
     for name in SPECS:
         spec = spec_for(name, draft_dirs)
+        dtype = torch.bfloat16 if name in BF16_DRAFTERS else llm.dtype
         out[name] = None if spec is None else DrafterBuilder(plan_drafter(spec, llm.config), llm.model,
-                                                               llm.device, llm.dtype)
+                                                               llm.device, dtype)
     return out
 
 
@@ -249,7 +255,7 @@ def plain_law(llm: LLM, sample_prompt: list[int]) -> dict[tuple[int, int], float
 
 
 @pytest.mark.parametrize("name", ["ngram-trie", "eagle3-chain", "standalone-chain", "dflash-ddtree",
-                                  "dflash-reveal"])
+                                  "dflash-reveal", "dflash-bf16"])
 def test_sampling_matches_plain_distribution(llm: LLM, builders: dict[str, DrafterBuilder | None],
                                              near_target_builder: DrafterBuilder, sample_prompt: list[int],
                                              plain_law: dict[tuple[int, int], float], name: str) -> None:

@@ -140,6 +140,7 @@ def run_acceptance(
         "schema_version": 1,
         "config": {
             "model": str(llm.model_dir), "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+            "draft_dtype": str(llm.draft_dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "speculative": asdict(llm.spec), "sampling": asdict(params),
         },
         "summary": summary,

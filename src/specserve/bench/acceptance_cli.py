@@ -57,11 +57,12 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
     if a.seeds < 1 or (a.seeds > 1 and a.temperature == 0):
         raise ValueError(f"--seeds {a.seeds}: give at least 1, and more than 1 only with --temperature > 0 "
                          "(greedy decoding does not depend on the seed)")
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec)
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec,
+              draft_dtype=a.speculative_draft_dtype)
     reference = None
     if a.reference_draft:
         ref_spec = replace(spec, draft_model_path=a.reference_draft)
-        reference = DrafterBuilder(plan_drafter(ref_spec, llm.config), llm.model, llm.device, llm.dtype)
+        reference = DrafterBuilder(plan_drafter(ref_spec, llm.config), llm.model, llm.device, llm.draft_dtype)
     report = run_acceptance(llm, tasks, params, reference)
     if a.seeds > 1:
         runs = [report] + [run_acceptance(llm, tasks, replace(params, seed=a.seed + k), reference)

@@ -108,6 +108,7 @@ def _speculative_entries(cfg: ServeConfig) -> dict[str, Any]:
              speculative_num_draft_tokens=s.num_draft_tokens)
     if s.dflash_block_size is not None:
         e["speculative_dflash_block_size"] = s.dflash_block_size
+    e["speculative_draft_dtype"] = cfg.draft_dtype
     e["speculative_tree"] = s.tree
     if s.algorithm == "NGRAM":
         e.update(speculative_ngram_min_match=s.ngram_min_match, speculative_ngram_max_match=s.ngram_max_match,

@@ -35,6 +35,31 @@ def default_dtype(cfg_dtype: str | None, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def default_draft_dtype(algorithm: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` for the drafter: bfloat16 for DFLASH on a CPU with native bf16 matrix units (AMX or AVX512-BF16),
+    where its block of rows multiplies 2-6x faster than in float32; else the target's dtype (EAGLE-3 and
+    draft-model chains draft a row at a time, and a one-row product runs ~2x slower in bf16 there: EAGLE3 lost
+    3-14% in bf16, DFLASH gained 3-10%, `benchmarks/draft_dtype.py`). Drafts only propose: the target verifies
+    them in its own dtype, so greedy output stays exactly plain greedy decoding's whatever the drafter runs in."""
+    if algorithm == "DFLASH" and device.type == "cpu" and target_dtype == torch.float32 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return target_dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (Linux `/proc/cpuinfo` flags amx_bf16 / avx512_bf16);
+    elsewhere oneDNN emulates bf16, slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 class LLM:
     def __init__(
         self,
@@ -42,7 +67,9 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft_dtype: str | None = None,
     ) -> None:
+        """dtype / draft_dtype: `auto` (None) or a dtype name, of the target / of the drafter's weights."""
         self.device = pick_device(device)
         model_dir = resolve_model_path(model)
         cfg = ModelConfig.from_file(model_dir / "config.json")
@@ -61,8 +88,12 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
+        self.draft_dtype = (
+            default_draft_dtype(self.spec.algorithm, self.dtype, self.device) if draft_dtype in (None, "auto")
+            else parse_dtype(draft_dtype, "--speculative-draft-dtype")
+        )
         self.drafter_builder: DrafterBuilder | None = (
-            DrafterBuilder(plan, self.model, self.device, self.dtype) if plan is not None else None
+            DrafterBuilder(plan, self.model, self.device, self.draft_dtype) if plan is not None else None
         )
 
     def encode(self, prompt: str | list[int]) -> list[int]:

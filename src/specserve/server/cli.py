@@ -45,7 +45,8 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def load() -> tuple[LLM, BatchEngine]:
-        llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative)
+        llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative,
+                  draft_dtype=cfg.draft_dtype)
         return llm, build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile,
                                        cfg.speculative_adaptive_trace)
 

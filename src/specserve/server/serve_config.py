@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import yaml
 
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
-from specserve.config import SpeculativeConfig
+from specserve.config import DTYPES, SpeculativeConfig
 from specserve.engine.engine_config import EngineConfig
 from specserve.models.loader import resolve_model_path
 from specserve.server.tool_parsers import TOOL_PARSERS
@@ -42,6 +42,7 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    draft_dtype: str = "auto"  # --speculative-draft-dtype
     engine: EngineConfig = field(default_factory=EngineConfig)
     speculative_adaptive: bool = True
     speculative_adaptive_profile: str | None = None
@@ -60,6 +61,9 @@ class ServeConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; "
                              f"use one of {', '.join(TOOL_PARSERS)}")
+        if self.draft_dtype != "auto" and self.draft_dtype.lower() not in DTYPES:
+            raise ValueError(f"--speculative-draft-dtype {self.draft_dtype!r} is not known; "
+                             f"use auto or one of {', '.join(DTYPES)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r} is not known; use one of {', '.join(LOG_LEVELS)}")
 
@@ -75,6 +79,7 @@ class ServeConfig:
             "host": self.host, "port": self.port, "api_key_required": self.api_key is not None,
             "max_queue": self.max_queue, "tool_call_parser": self.tool_call_parser,
             "shutdown_timeout": self.shutdown_timeout, "speculative_adaptive": self.speculative_adaptive,
+            "speculative_draft_dtype": self.draft_dtype,
         }
 
 
@@ -195,6 +200,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=ns.model, device=ns.device, dtype=ns.dtype, host=ns.host, port=ns.port, api_key=ns.api_key,
         max_queue=ns.max_queue, served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
         shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level, speculative=speculative_from_args(ns),
+        draft_dtype=ns.speculative_draft_dtype,
         engine=EngineConfig(
             num_kv_blocks=ns.num_kv_blocks, kv_block_size=ns.kv_block_size, kv_cache_gb=ns.kv_cache_gb,
             max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,

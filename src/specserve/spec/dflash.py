@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
@@ -45,9 +46,11 @@ LAZY_ROWS = 6  # block rows given the LM head before a DDTree is built (see `DFl
 
 class DFlashDrafter(Drafter):
     def __init__(self, draft: DFlashDraftModel, target: CausalLM, spec: SpeculativeConfig,
-                 params: SamplingParams, generator: torch.Generator | None, max_len: int) -> None:
+                 params: SamplingParams, generator: torch.Generator | None, max_len: int,
+                 head: nn.Module | None = None) -> None:
         """`params` and `generator`: the request's sampling (greedy: deterministic drafts; otherwise drafts drawn
-        with `generator`). max_len: the most tokens the target's KV will hold (sizes the context cache)."""
+        with `generator`). max_len: the most tokens the target's KV will hold (sizes the context cache).
+        head: the target's LM head in the drafter's dtype, where that differs from the target's."""
         cfg = draft.config
         check_against_target(cfg, target.config, f"{FLAG} {spec.draft_model_path}")
         if spec.tree not in ("chain", "ddtree"):
@@ -55,6 +58,7 @@ class DFlashDrafter(Drafter):
         self.block_size = dflash_block_size(spec, cfg)
         self.capture = cfg.capture
         self.draft, self.target, self.spec = draft, target, spec
+        self.head = head if head is not None else target.lm_head
         self.params, self.gen = params, generator
         weight = draft.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -133,7 +137,7 @@ class DFlashDrafter(Drafter):
         # as one [N, H] matrix: a strided 3-D slice of the block outputs makes matmul fall back to a batched
         # product over a broadcast weight, 2-6x slower on CPU
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return torch.log_softmax(self.target.logits(flat).float(), dim=-1).view(*hidden.shape[:-1], -1)
+        return torch.log_softmax(self.head(flat).float(), dim=-1).view(*hidden.shape[:-1], -1)
 
     def _rows(self, rows: int | None) -> int:
         return self.block_size - 1 if rows is None else max(1, min(rows, self.block_size - 1))

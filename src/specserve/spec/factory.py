@@ -77,6 +77,8 @@ class DrafterBuilder:
         self.target = target
         self.device = device
         self.weights: object | None = None
+        # DFLASH drafts through the target's LM head: a copy in the drafter's dtype where that is not the target's
+        self.head: nn.Linear | None = None
         if plan.spec.algorithm == "STANDALONE":
             assert plan.draft_dir is not None
             draft, _, _ = load_model(plan.draft_dir, device, dtype)
@@ -93,6 +95,10 @@ class DrafterBuilder:
 
             assert plan.draft_dir is not None
             self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)
+            if target.lm_head.weight.dtype != dtype:
+                w = target.lm_head.weight.detach()  # [V, H]
+                self.head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
+                self.head.weight.data.copy_(w)
         if device.type == "cpu" and isinstance(self.weights, nn.Module):  # as the target's (models/layout.py)
             column_major_projections(self.weights)
             two_layout_heads(self.weights)
@@ -141,4 +147,5 @@ class DrafterBuilder:
             return Eagle3Drafter(self.weights, self.target, s, params, generator, max_len)  # type: ignore[arg-type]
         from specserve.spec.dflash import DFlashDrafter
 
-        return DFlashDrafter(self.weights, self.target, s, params, generator, max_len)  # type: ignore[arg-type]
+        return DFlashDrafter(self.weights, self.target, s, params, generator, max_len,  # type: ignore[arg-type]
+                             head=self.head)
