@@ -15,7 +15,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.adaptive import AdaptivePolicy
-from specserve.engine.batch import BatchEngine
+from specserve.engine.batch import MERGE_TOKENS, BatchEngine
 from specserve.engine.cost_profile import CostProfile
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
@@ -503,3 +503,41 @@ def test_pass_log_records_prefill_and_decode_passes(llm: LLM, builders: dict[str
     else:  # the drafters take in each completed prompt inside the prefill pass
         assert sum(p["drafter_s"] > 0 for p in prefills) >= 1
         assert all(p["drafter_s"] < p["seconds"] for p in prefills)
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram-trie", "dflash-ddtree"])
+def test_short_prefills_ride_in_the_decode_pass(llm: LLM, builders: dict[str, DrafterBuilder | None],
+                                                prompts: list[list[int]], expected: list[list[int]], name: str,
+                                                tmp_path: Path) -> None:
+    """A closed loop of 4 clients (a finished request replaced at once, as served): a replacement whose prompt
+    chunk is at most MERGE_TOKENS long goes into that step's decode forward (rows of unequal length, run
+    packed), a longer one gets a forward of its own; outputs stay plain greedy decoding's, and the pass log says
+    which was which."""
+    eng = engine(llm, builders[name], enable_prefix_cache=False)
+    eng.pass_log = PassLog(tmp_path / "passes.jsonl")
+    run = Run(eng)
+    waiting = list(enumerate(prompts))
+    for _ in range(4):
+        i, p = waiting.pop(0)
+        run.add(str(i), p)
+    for _ in range(3000):
+        if not eng.has_unfinished and not waiting:
+            break
+        before = len(run.reasons)
+        run.step()
+        for _ in range(len(run.reasons) - before):
+            if waiting:
+                i, p = waiting.pop(0)
+                run.add(str(i), p)
+    eng.pass_log.close()
+    assert [run.tokens[str(i)] for i in range(len(prompts))] == expected
+    prefills = read_pass_log(tmp_path / "passes.jsonl", kind="prefill")
+    merged = [p for p in prefills if p["merged"]]
+    assert sum(p["batch"] for p in merged) == eng.counters.merged_prefills
+    if name != "plain":  # (plain requests of one length finish together: their replacements come in waves)
+        assert eng.counters.merged_prefills >= 3
+    assert all(p["forward_s"] == 0 for p in merged) and all(p["forward_s"] > 0 for p in prefills if not p["merged"])
+    assert all(p["tokens"] <= MERGE_TOKENS * p["batch"] for p in merged)
+    assert any(p["tokens"] > MERGE_TOKENS for p in prefills if not p["merged"])  # the 17-40 token prompts
+    assert sum(p["tokens"] for p in prefills) == sum(len(p) for p in prompts)  # every prompt token, once
+    assert_no_leak(eng)

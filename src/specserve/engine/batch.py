@@ -6,6 +6,8 @@ One `step()`:
     prefill chunks  -> one padded forward; completed prompts sample their first token, start their drafter
     decodes         -> each drafts a tree (or skips), one padded verify forward for all of them,
                        then per request: verify, compact the accepted path's KV, commit, feed the drafter
+Short prefill chunks ride in the decode forward instead of one of their own (`_merges`): a request replacing
+a finished one mid-level (its prompt mostly prefix-cached) then costs a few more rows of that forward.
 Every request keeps its own sampling parameters, generator, stop checker and drafter; the step returns
 what each produced. Not thread-safe: the serving wrapper (`server/batch_serving.py`) calls it from one thread.
 """
@@ -38,6 +40,9 @@ from specserve.spec.factory import DrafterBuilder
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import verify_greedy, verify_sampled
 from specserve.types import SamplingParams
+
+#: prefill chunks up to this long ride in a decode forward (a KV block: what a prefix-cache hit leaves)
+MERGE_TOKENS = 16
 
 
 @dataclass
@@ -151,10 +156,11 @@ class BatchEngine:
             self._requests.pop(seq.request_id, None)
             self._count_finish("length")
             outs.append(StepOutput(seq.request_id, [], "length"))
-        if plan.prefills:
-            outs += self._run_prefills(plan)
+        merge = self._merges(plan)
+        if plan.prefills and not merge:
+            outs += self._run_prefills(plan.prefills)
         if plan.decodes:
-            outs += self._run_decodes(plan.decodes, k)
+            outs += self._run_decodes(plan.decodes, k, plan.prefills if merge else ())
         self.counters.steps += 1
         return outs
 
@@ -180,17 +186,34 @@ class BatchEngine:
         bs = self.config.kv_block_size
         return [b * bs + o for b in seq.block_table.blocks[: -(-length // bs)] for o in self._block_offsets][:length]
 
-    def _run_prefills(self, plan: BatchPlan) -> list[StepOutput]:
+    @staticmethod
+    def _merges(plan: BatchPlan) -> bool:
+        """Whether the step's prefill chunks go into its decode forward: where none is longer than
+        `MERGE_TOKENS` or than the widest row a decode may verify. Each forward has a fixed cost (on the demo on
+        CPU a 5-token prefill pass took 10-14 ms, a whole plain decode pass of 16 requests ~14 ms), and
+        speculation desynchronises requests: they finish one at a time, and each replacement paid a prefill
+        forward of its own (DFLASH served 499 prefill passes where plain decoding, whose requests finish in
+        waves, had 256: `runs/serving/s22b_c16_n128_t0.json`). Rows of unequal length run packed
+        (`runner.py`): the projections multiply the real tokens only, and a chunk widens only attention's
+        per-row grid, which a long one (an uncached prompt) would make cost more than its own forward."""
+        if not plan.prefills or not plan.decodes:
+            return False
+        return max(c.num_tokens for c in plan.prefills) <= max(MERGE_TOKENS, *(len(d.slots) for d in plan.decodes))
+
+    def _run_prefills(self, chunks: tuple[PrefillChunk, ...]) -> list[StepOutput]:
         t0, f0, d0 = time.perf_counter(), self.counters.forward_s, self.counters.prefill_drafter_s
-        rows = [self._prefill_row(c) for c in plan.prefills]
-        results = self._forward(rows)
-        outs: list[StepOutput] = []
-        for chunk, res in zip(plan.prefills, results, strict=True):
-            outs += self._finish_prefill(chunk, res)
+        rows = [self._prefill_row(c) for c in chunks]
+        outs = self._finish_prefills(chunks, self._forward(rows))
         if self.pass_log is not None:
             c = self.counters
             self.pass_log.write_prefill(len(rows), sum(len(r.token_ids) for r in rows), time.perf_counter() - t0,
                                         c.forward_s - f0, c.prefill_drafter_s - d0)
+        return outs
+
+    def _finish_prefills(self, chunks: tuple[PrefillChunk, ...], results: list[RowOutput]) -> list[StepOutput]:
+        outs: list[StepOutput] = []
+        for chunk, res in zip(chunks, results, strict=True):
+            outs += self._finish_prefill(chunk, res)
         return outs
 
     def _prefill_row(self, c: PrefillChunk) -> Row:
@@ -219,7 +242,9 @@ class BatchEngine:
             self.counters.prefill_drafter_s += time.perf_counter() - t0
         return self._commit(req, chunk.num_tokens, [token])
 
-    def _run_decodes(self, items: tuple[DecodeItem, ...], k: int) -> list[StepOutput]:
+    def _run_decodes(self, items: tuple[DecodeItem, ...], k: int,
+                     prefills: tuple[PrefillChunk, ...] = ()) -> list[StepOutput]:
+        """The decode pass; `prefills`: chunks whose rows go into its forward (`_merges`), finished first."""
         t0, f0 = time.perf_counter(), self.counters.forward_s
         drafters = [self._requests[i.seq.request_id].drafter for i in items]
         # some drafter absorbs more than a round's tokens (a new request's prompt, rounds it skipped): a
@@ -241,9 +266,20 @@ class BatchEngine:
             ))
         if k > 0:
             self.counters.spec_steps += 1
-        results = self._forward(rows)
-        picks = iter(self._greedy_picks(items, trees, results))
+        pre_rows = [self._prefill_row(c) for c in prefills]
+        results = self._forward(rows + pre_rows)
         outs: list[StepOutput] = []
+        merged_s = 0.0  # the merged chunks' own work after the forward, kept out of the decode pass's time
+        if prefills:
+            t1, d1 = time.perf_counter(), self.counters.prefill_drafter_s
+            outs += self._finish_prefills(prefills, results[len(rows):])
+            merged_s = time.perf_counter() - t1
+            self.counters.merged_prefills += len(prefills)
+            if self.pass_log is not None:
+                self.pass_log.write_prefill(len(pre_rows), sum(r.q for r in pre_rows), merged_s, 0.0,
+                                            self.counters.prefill_drafter_s - d1, merged=True)
+            results = results[: len(rows)]
+        picks = iter(self._greedy_picks(items, trees, results))
         verified = 0  # tokens the pass produced, before stop conditions cut a request's last ones
         for item, tree, res in zip(items, trees, results, strict=True):
             if tree is None:
@@ -262,7 +298,7 @@ class BatchEngine:
                     self.policy.record_accept(path, self.max_draft, cls)
                 if decided or path:  # a round still open has accepted at least its path so far
                     self._requests[rid].last_accepted = len(path)
-        elapsed = time.perf_counter() - t0  # the shadow rounds' cost counts in the pass's time
+        elapsed = time.perf_counter() - t0 - merged_s  # the shadow rounds' cost counts in the pass's time
         forward = self.counters.forward_s - f0
         if self.pass_log is not None:
             self.pass_log.write(len(items), k, verified, elapsed, forward, catch_up)

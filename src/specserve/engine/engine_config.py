@@ -54,3 +54,4 @@ class EngineCounters:
     step_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which target forwards (the rest is host work: scheduling, drafting, verifying)
     prefill_drafter_s: float = 0.0  # of which drafters taking in completed prompts
+    merged_prefills: int = 0  # prefill chunks that rode in a decode forward (`BatchEngine._merges`)

@@ -9,7 +9,9 @@ target forward, "catch_up": some drafter absorbed more than a round's tokens (no
 
 One line per prefill pass (chunks of prompts, in steps of their own or before a step's decode pass):
 {"t", "kind": "prefill", "batch": prompt chunks, "tokens": prompt tokens computed, "seconds": the pass's wall
-time, "forward_s": of which the target forward, "drafter_s": of which the drafters taking in completed prompts}.
+time, "forward_s": of which the target forward, "drafter_s": of which the drafters taking in completed prompts,
+"merged": the chunks rode in the step's decode forward (`BatchEngine._merges`): "seconds" is then only their work
+after it, and "forward_s" 0 (their rows' share of the forward counts in the decode pass's)}.
 A plain server writes the same log: comparing the two in one run says what speculation costs outside its own
 decode passes.
 """
@@ -33,10 +35,13 @@ class PassLog:
             "seconds": round(seconds, 5), "forward_s": round(forward_s, 5), "catch_up": catch_up, "kind": "decode",
         }) + "\n")
 
-    def write_prefill(self, chunks: int, tokens: int, seconds: float, forward_s: float, drafter_s: float) -> None:
+    def write_prefill(self, chunks: int, tokens: int, seconds: float, forward_s: float, drafter_s: float,
+                      merged: bool = False) -> None:
+        """`merged`: the chunks rode in a decode forward; `seconds` is then their work after it (forward_s 0)."""
         self._file.write(json.dumps({
             "t": round(time.monotonic() - self._t0, 4), "kind": "prefill", "batch": chunks, "tokens": tokens,
             "seconds": round(seconds, 5), "forward_s": round(forward_s, 5), "drafter_s": round(drafter_s, 5),
+            "merged": merged,
         }) + "\n")
 
     def close(self) -> None:

@@ -1,8 +1,11 @@
-"""The model runner: one target forward over a padded batch of rows on the paged KV cache.
+"""The model runner: one target forward over a batch of rows on the paged KV cache.
 
 A row is one sequence's new tokens this step: a prefill chunk, a decode token, or a draft tree (root
 first). It attends to its whole context (the slots of its earlier positions) and, among its new tokens,
 causally or by the tree's ancestor mask. Keys are laid out per row as [context | new tokens | padding].
+Rows of one length run as a [B, Q] batch; rows of several lengths (a prefill chunk with decodes, trees cut
+to different sizes) run packed: their T tokens as one [1, T] sequence through the projections and MLPs, and
+only attention laid out per row on the padded [B, Q_max] grid (`PagedView.pad`).
 
 `batch_invariant=True` runs every row as its own forward with exactly the shapes offline decoding uses
 (`engine/plain.py`, `spec/decode.py`), so a request's tokens do not depend on what else is in the batch.
@@ -54,7 +57,9 @@ class ModelRunner:
             return []
         if self.batch_invariant or len(rows) == 1:
             return [self._forward_one(r, capture) for r in rows]
-        return self._forward_padded(rows, capture)
+        if len({r.q for r in rows}) == 1:  # nothing to pad
+            return self._forward_padded(rows, capture)
+        return self._forward_packed(rows, capture)
 
     def _forward_one(self, row: Row, capture: tuple[int, ...]) -> RowOutput:
         dev, q, c = self.device, row.q, len(row.context)
@@ -74,6 +79,58 @@ class ModelRunner:
         captured = torch.cat(out.captured, dim=-1)[0] if capture else None
         return RowOutput(logits, captured)
 
+    def _forward_packed(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
+        """The rows' T tokens as one [1, T] sequence through every projection and MLP (T rows multiplied, not
+        B * Q_max), attention per row over the padded [B, Q_max] grid (`PagedView.pad`)."""
+        dev = self.device
+        qs = [r.q for r in rows]
+        cs = [len(r.context) for r in rows]
+        q_max = max(qs)
+        k_max = max(c + q for c, q in zip(cs, qs, strict=True))
+        scratch = self.cache.scratch
+        ids = torch.tensor([[t for r in rows for t in r.token_ids]])  # [1, T]
+        pos = torch.tensor([[p for r in rows for p in r.positions]])  # [1, T]
+        write = torch.tensor([s for r in rows for s in r.write_slots])  # [T]
+        pack = torch.tensor([b * q_max + i for b, q in enumerate(qs) for i in range(q)])  # [T]
+        read = torch.tensor([r.context + r.write_slots + [scratch] * (k_max - c - q)
+                             for r, c, q in zip(rows, cs, qs, strict=True)])  # [B, K]
+        view = PagedView(self.cache, write.to(dev), read.to(dev), self._mask(rows, qs, cs, q_max, k_max).to(dev),
+                         pack.to(dev), (len(rows), q_max))
+        out = self.model(ids.to(dev), pos.to(dev), view, capture=capture, compute_logits=False)
+        h = out.hidden[0]  # [T, H]
+        starts = [0]
+        for q in qs:
+            starts.append(starts[-1] + q)
+        want = [(i, slice(starts[i], starts[i + 1]) if r.logits == "all" else slice(starts[i + 1] - 1, starts[i + 1]))
+                for i, r in enumerate(rows) if r.logits != "none"]
+        logits: dict[int, torch.Tensor] = {}
+        if want:
+            all_logits = self.model.logits(torch.cat([h[s] for _, s in want]))  # [n, V]
+            at = 0
+            for i, s in want:
+                n = s.stop - s.start
+                logits[i] = all_logits[at:at + n]
+                at += n
+        captured = torch.cat(out.captured, dim=-1)[0] if capture else None  # [T, n*H]
+        return [RowOutput(logits.get(i), captured[starts[i]:starts[i + 1]] if captured is not None else None)
+                for i in range(len(rows))]
+
+    @staticmethod
+    def _mask(rows: list[Row], qs: list[int], cs: list[int], q_max: int, k_max: int) -> torch.Tensor:
+        """[B, 1, Q, K] bool: context keys for real queries; local keys by causality or the row's tree; a
+        padding query sees key 0 (a row of no keys would make attention NaN)."""
+        qi = torch.arange(q_max)[:, None]  # [Q, 1]
+        kj = torch.arange(k_max)[None, :]  # [1, K]
+        c_t = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
+        q_t = torch.tensor(qs)[:, None, None]
+        real_q = qi[None] < q_t  # [B, Q, 1]
+        mask = real_q & ((kj[None] < c_t) | ((kj[None] >= c_t) & (kj[None] - c_t <= qi[None])))
+        mask[:, :, 0] |= ~real_q[:, :, 0]
+        for i, (r, c, q) in enumerate(zip(rows, cs, qs, strict=True)):
+            if r.tree_mask is not None:
+                mask[i, :q, c:c + q] = r.tree_mask.cpu()
+        return mask[:, None]
+
     def _forward_padded(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
         dev = self.device
         qs = [r.q for r in rows]
@@ -87,18 +144,8 @@ class ModelRunner:
         write = torch.tensor([r.write_slots + [scratch] * (q_max - q) for r, q in zip(rows, qs, strict=True)])
         read = torch.tensor([r.context + r.write_slots + [scratch] * (k_max - c - q)
                              for r, c, q in zip(rows, cs, qs, strict=True)])  # [B, K]
-        # mask[b, i, j]: context keys for real queries; local keys by causality or tree; padding queries see key 0
-        qi = torch.arange(q_max)[:, None]  # [Q, 1]
-        kj = torch.arange(k_max)[None, :]  # [1, K]
-        c_t = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
-        q_t = torch.tensor(qs)[:, None, None]
-        real_q = qi[None] < q_t  # [B, Q, 1]
-        mask = real_q & ((kj[None] < c_t) | ((kj[None] >= c_t) & (kj[None] - c_t <= qi[None])))
-        mask[:, :, 0] |= ~real_q[:, :, 0]
-        for i, (r, c, q) in enumerate(zip(rows, cs, qs, strict=True)):
-            if r.tree_mask is not None:
-                mask[i, :q, c:c + q] = r.tree_mask.cpu()
-        view = PagedView(self.cache, write.flatten().to(dev), read.to(dev), mask[:, None].to(dev))
+        mask = self._mask(rows, qs, cs, q_max, k_max)
+        view = PagedView(self.cache, write.flatten().to(dev), read.to(dev), mask.to(dev))
         out = self.model(ids.to(dev), pos.to(dev), view, capture=capture, compute_logits=False)
         h = out.hidden  # [B, Q, H]
         # logits only where asked: all rows of decodes, the last row of completing prefill chunks

@@ -91,17 +91,22 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PagedView:
-    """One padded batch of B rows with up to Q new tokens each.
+    """One batch of B rows with up to Q new tokens each, padded or packed.
 
-    write_slots [B*Q] where each new token's K/V goes (padding -> scratch); read_slots [B, K] the slots each
-    row attends over (its context, then its new tokens, then padding); mask [B, 1, Q, K] bool (True = attend),
-    or None when every row attends to all of `read_slots` (a batch of one row without padding).
+    Padded: the forward's tokens are [B, Q]; write_slots [B*Q] where each new token's K/V goes (padding ->
+    scratch). Packed (`pack` given): the forward's tokens are the T real ones, [1, T], row after row, so the
+    projections and MLPs multiply T rows, not B*Q; write_slots [T]; `pack` [T] each token's index in the
+    row-major [B, Q] grid, where attention alone is laid out (`update_packed`, `pad`, `unpad`).
+    read_slots [B, K] the slots each row attends over (its context, then its new tokens, then padding); mask
+    [B, 1, Q, K] bool (True = attend), or None when every row attends to all of `read_slots` (one row, no padding).
     """
 
     cache: PagedKVCache
-    write_slots: torch.Tensor  # [B*Q] long
+    write_slots: torch.Tensor  # [B*Q] or [T] long
     read_slots: torch.Tensor  # [B, K] long
     mask: torch.Tensor | None  # [B, 1, Q, K] bool
+    pack: torch.Tensor | None = None  # [T] long, positions of the real tokens in the flattened [B, Q] grid
+    grid: tuple[int, int] = (0, 0)  # (B, Q) when packed
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, Hkv, Q, D] -> keys/values each row attends over [B, Hkv, K, D]."""
@@ -111,8 +116,34 @@ class PagedView:
         vc[self.write_slots] = v.transpose(1, 2).reshape(b * q, h, d)
         # index_select over the flat slot list: a contiguous row copy per slot, 3-4x faster on CPU than advanced
         # indexing with the [B, K] index (`python benchmarks/kv_gather.py`)
+        return self._gather(kc, vc)
+
+    def _gather(self, kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, k_len = self.read_slots.shape
+        h, d = kc.shape[1], kc.shape[2]
         flat = self.read_slots.view(-1)
         keys = kc.index_select(0, flat).view(rows, k_len, h, d).transpose(1, 2)  # [B, Hkv, K, D]
         values = vc.index_select(0, flat).view(rows, k_len, h, d).transpose(1, 2)
         return keys, values
+
+    def update_packed(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [1, Hkv, T, D] of the packed tokens -> keys/values each row attends over [B, Hkv, K, D]."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[self.write_slots] = k[0].transpose(0, 1)  # [T, Hkv, D]
+        vc[self.write_slots] = v[0].transpose(0, 1)
+        return self._gather(kc, vc)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, T, D] packed -> [B, H, Q, D] (padding positions zero)."""
+        assert self.pack is not None
+        b, q = self.grid
+        h, d = x.shape[1], x.shape[3]
+        out = x.new_zeros(b * q, h, d)
+        out[self.pack] = x[0].transpose(0, 1)
+        return out.view(b, q, h, d).transpose(1, 2)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, Q, D] -> [1, H, T, D], the real tokens in packed order."""
+        assert self.pack is not None
+        b, h, q, d = x.shape
+        return x.transpose(1, 2).reshape(b * q, h, d)[self.pack].transpose(0, 1)[None]

@@ -61,7 +61,10 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, Hq+Hkv, Q, D]
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = v.transpose(1, 2)  # [B, Hkv, Q, D]
-        if kv is not None:
+        if isinstance(kv, PagedView) and kv.pack is not None:  # x is [1, T, H]: attention alone laid out per row
+            k, v = kv.update_packed(layer, k, v)
+            out = kv.unpad(attend(kv.pad(q), k, v, kv.mask, self.scale))  # [1, Hq, T, D]
+        elif kv is not None:
             k, v = kv.update(layer, k, v)
             mask = kv.mask
             out = attend(q, k, v, mask, self.scale)
