@@ -57,9 +57,7 @@ class ModelRunner:
             return []
         if self.batch_invariant or len(rows) == 1:
             return [self._forward_one(r, capture) for r in rows]
-        if len({r.q for r in rows}) == 1:  # nothing to pad
-            return self._forward_padded(rows, capture)
-        return self._forward_packed(rows, capture)
+        return self._forward_batch(rows, capture)
 
     def _forward_one(self, row: Row, capture: tuple[int, ...]) -> RowOutput:
         dev, q, c = self.device, row.q, len(row.context)
@@ -79,29 +77,37 @@ class ModelRunner:
         captured = torch.cat(out.captured, dim=-1)[0] if capture else None
         return RowOutput(logits, captured)
 
-    def _forward_packed(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
-        """The rows' T tokens as one [1, T] sequence through every projection and MLP (T rows multiplied, not
-        B * Q_max), attention per row over the padded [B, Q_max] grid (`PagedView.pad`)."""
+    def _forward_batch(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
+        """Rows of one length as a [B, Q] batch; rows of several lengths packed: their T tokens as one [1, T]
+        sequence through every projection and MLP (T rows multiplied, not B * Q_max), attention alone laid out
+        per row on the padded [B, Q_max] grid (`PagedView.pad`)."""
         dev = self.device
         qs = [r.q for r in rows]
         cs = [len(r.context) for r in rows]
         q_max = max(qs)
         k_max = max(c + q for c, q in zip(cs, qs, strict=True))
         scratch = self.cache.scratch
-        ids = torch.tensor([[t for r in rows for t in r.token_ids]])  # [1, T]
-        pos = torch.tensor([[p for r in rows for p in r.positions]])  # [1, T]
-        write = torch.tensor([s for r in rows for s in r.write_slots])  # [T]
-        pack = torch.tensor([b * q_max + i for b, q in enumerate(qs) for i in range(q)])  # [T]
+        # each array in one conversion from Python lists (per-row tensor writes cost ~0.5 ms at 16 rows)
+        ids = torch.tensor([t for r in rows for t in r.token_ids])  # [T], row after row
+        pos = torch.tensor([p for r in rows for p in r.positions])
+        write = torch.tensor([s for r in rows for s in r.write_slots])
         read = torch.tensor([r.context + r.write_slots + [scratch] * (k_max - c - q)
                              for r, c, q in zip(rows, cs, qs, strict=True)])  # [B, K]
+        pack: torch.Tensor | None = None
+        shape = (len(rows), q_max)  # rows of one length: nothing to pad
+        if len(set(qs)) > 1:
+            pack = torch.tensor([b * q_max + i for b, q in enumerate(qs) for i in range(q)]).to(dev)  # [T]
+            shape = (1, len(ids))
         view = PagedView(self.cache, write.to(dev), read.to(dev), self._mask(rows, qs, cs, q_max, k_max).to(dev),
-                         pack.to(dev), (len(rows), q_max))
-        out = self.model(ids.to(dev), pos.to(dev), view, capture=capture, compute_logits=False)
-        h = out.hidden[0]  # [T, H]
+                         pack, (len(rows), q_max))
+        out = self.model(ids.view(shape).to(dev), pos.view(shape).to(dev), view, capture=capture,
+                         compute_logits=False)
+        h = out.hidden.reshape(len(ids), -1)  # [T, H]
         starts = [0]
         for q in qs:
             starts.append(starts[-1] + q)
-        want = [(i, slice(starts[i], starts[i + 1]) if r.logits == "all" else slice(starts[i + 1] - 1, starts[i + 1]))
+        # logits only where asked: all rows of decodes, the last row of completing prefill chunks
+        want = [(i, slice(starts[i] if r.logits == "all" else starts[i + 1] - 1, starts[i + 1]))
                 for i, r in enumerate(rows) if r.logits != "none"]
         logits: dict[int, torch.Tensor] = {}
         if want:
@@ -111,7 +117,7 @@ class ModelRunner:
                 n = s.stop - s.start
                 logits[i] = all_logits[at:at + n]
                 at += n
-        captured = torch.cat(out.captured, dim=-1)[0] if capture else None  # [T, n*H]
+        captured = torch.cat(out.captured, dim=-1).reshape(len(ids), -1) if capture else None  # [T, n*H]
         return [RowOutput(logits.get(i), captured[starts[i]:starts[i + 1]] if captured is not None else None)
                 for i in range(len(rows))]
 
@@ -130,36 +136,3 @@ class ModelRunner:
             if r.tree_mask is not None:
                 mask[i, :q, c:c + q] = r.tree_mask.cpu()
         return mask[:, None]
-
-    def _forward_padded(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
-        dev = self.device
-        qs = [r.q for r in rows]
-        cs = [len(r.context) for r in rows]
-        q_max = max(qs)
-        k_max = max(c + q for c, q in zip(cs, qs, strict=True))
-        scratch = self.cache.scratch
-        # each array in one conversion from padded Python lists (per-row tensor writes cost ~0.5 ms at 16 rows)
-        ids = torch.tensor([r.token_ids + [0] * (q_max - q) for r, q in zip(rows, qs, strict=True)])  # [B, Q]
-        pos = torch.tensor([r.positions + [0] * (q_max - q) for r, q in zip(rows, qs, strict=True)])
-        write = torch.tensor([r.write_slots + [scratch] * (q_max - q) for r, q in zip(rows, qs, strict=True)])
-        read = torch.tensor([r.context + r.write_slots + [scratch] * (k_max - c - q)
-                             for r, c, q in zip(rows, cs, qs, strict=True)])  # [B, K]
-        mask = self._mask(rows, qs, cs, q_max, k_max)
-        view = PagedView(self.cache, write.flatten().to(dev), read.to(dev), mask.to(dev))
-        out = self.model(ids.to(dev), pos.to(dev), view, capture=capture, compute_logits=False)
-        h = out.hidden  # [B, Q, H]
-        # logits only where asked: all rows of decodes, the last row of completing prefill chunks
-        want = [(i, slice(0, q)) if r.logits == "all" else (i, slice(q - 1, q))
-                for i, (r, q) in enumerate(zip(rows, qs, strict=True)) if r.logits != "none"]
-        logits: dict[int, torch.Tensor] = {}
-        if want:
-            flat = torch.cat([h[i, s] for i, s in want])  # [n, H]
-            all_logits = self.model.logits(flat)  # [n, V]
-            at = 0
-            for i, s in want:
-                n = s.stop - s.start
-                logits[i] = all_logits[at:at + n]
-                at += n
-        captured = torch.cat(out.captured, dim=-1) if capture else None  # [B, Q, n*H]
-        return [RowOutput(logits.get(i), captured[i, :q] if captured is not None else None)
-                for i, q in enumerate(qs)]

@@ -1,7 +1,7 @@
 """Paged KV storage: one tensor per layer, addressed by physical slot (block * block_size + offset).
 
-`PagedKVCache` holds k/v `[num_slots + 1, Hkv, D]` per layer; the extra last slot is scratch, where padding
-rows of a batch write so that every row of a padded forward has somewhere to go. Which slots a sequence
+`PagedKVCache` holds k/v `[num_slots + 1, Hkv, D]` per layer; the extra last slot is scratch, where a row's
+padding keys point (masked) so that every row of a batch reads as many keys. Which slots a sequence
 owns is `kv/block_pool.py`'s business; this file only moves tensors:
 
   PagedView    what one batched forward may touch: write new K/V at `write_slots`, read `read_slots`
@@ -29,7 +29,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
-        self.scratch = self.num_slots  # padding rows write here
+        self.scratch = self.num_slots  # where padding keys point (masked)
         shape = (self.num_slots + 1, cfg.num_key_value_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
@@ -91,18 +91,18 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PagedView:
-    """One batch of B rows with up to Q new tokens each, padded or packed.
+    """One batch of B rows with up to Q new tokens each; its T tokens' K/V go to write_slots [T], row after row.
 
-    Padded: the forward's tokens are [B, Q]; write_slots [B*Q] where each new token's K/V goes (padding ->
-    scratch). Packed (`pack` given): the forward's tokens are the T real ones, [1, T], row after row, so the
-    projections and MLPs multiply T rows, not B*Q; write_slots [T]; `pack` [T] each token's index in the
-    row-major [B, Q] grid, where attention alone is laid out (`update_packed`, `pad`, `unpad`).
+    Rows of one length: the forward's tokens are [B, Q] (T = B*Q). Packed (`pack` given, rows of several
+    lengths): the forward's tokens are [1, T], so the projections and MLPs multiply T rows, not B*Q; `pack` [T]
+    is each token's index in the row-major [B, Q] grid, where attention alone is laid out (`update_packed`,
+    `pad`, `unpad`).
     read_slots [B, K] the slots each row attends over (its context, then its new tokens, then padding); mask
     [B, 1, Q, K] bool (True = attend), or None when every row attends to all of `read_slots` (one row, no padding).
     """
 
     cache: PagedKVCache
-    write_slots: torch.Tensor  # [B*Q] or [T] long
+    write_slots: torch.Tensor  # [T] long
     read_slots: torch.Tensor  # [B, K] long
     mask: torch.Tensor | None  # [B, 1, Q, K] bool
     pack: torch.Tensor | None = None  # [T] long, positions of the real tokens in the flattened [B, Q] grid
