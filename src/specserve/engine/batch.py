@@ -3,9 +3,10 @@
 One `step()`:
     k      = how many draft tokens each decode verifies this step (adaptive policy, or the fixed width)
     plan   = scheduler.schedule(k)                      # decodes, prefill chunks, preemptions
-    prefill chunks  -> one padded forward; completed prompts sample their first token, start their drafter
-    decodes         -> each drafts a tree (or skips), one padded verify forward for all of them,
-                       then per request: verify, compact the accepted path's KV, commit, feed the drafter
+    prefill chunks  -> one forward; completed prompts sample their first token, start their drafter
+    decodes         -> each drafts a tree (or skips), one verify forward for all of them (rows of unequal
+                       length packed: `engine/runner.py`), then per request: verify, compact the accepted
+                       path's KV, commit, feed the drafter
 Short prefill chunks ride in the decode forward instead of one of their own (`_merges`): a request replacing
 a finished one mid-level (its prompt mostly prefix-cached) then costs a few more rows of that forward.
 Every request keeps its own sampling parameters, generator, stop checker and drafter; the step returns
@@ -195,7 +196,7 @@ class BatchEngine:
         forward of its own (DFLASH served 499 prefill passes where plain decoding, whose requests finish in
         waves, had 256: `runs/serving/s22b_c16_n128_t0.json`). Rows of unequal length run packed
         (`runner.py`): the projections multiply the real tokens only, and a chunk widens only attention's
-        per-row grid, which a long one (an uncached prompt) would make cost more than its own forward."""
+        per-row grid — padded to the longest row, which a long chunk (an uncached prompt) would make costly."""
         if not plan.prefills or not plan.decodes:
             return False
         return max(c.num_tokens for c in plan.prefills) <= max(MERGE_TOKENS, *(len(d.slots) for d in plan.decodes))

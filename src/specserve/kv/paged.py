@@ -114,11 +114,12 @@ class PagedView:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.write_slots] = k.transpose(1, 2).reshape(b * q, h, d)
         vc[self.write_slots] = v.transpose(1, 2).reshape(b * q, h, d)
-        # index_select over the flat slot list: a contiguous row copy per slot, 3-4x faster on CPU than advanced
-        # indexing with the [B, K] index (`python benchmarks/kv_gather.py`)
         return self._gather(kc, vc)
 
     def _gather(self, kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's keys and values [B, Hkv, K, D] from one layer's cache. index_select over the flat slot
+        list: a contiguous row copy per slot, 3-4x faster on CPU than advanced indexing with the [B, K] index
+        (`python benchmarks/kv_gather.py`)."""
         rows, k_len = self.read_slots.shape
         h, d = kc.shape[1], kc.shape[2]
         flat = self.read_slots.view(-1)
