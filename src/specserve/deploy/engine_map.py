@@ -79,6 +79,9 @@ def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter
     if cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype {cfg.dtype!r} has no {engine} equivalent; use one of {', '.join(DTYPES)}")
     b.map("--dtype", cfg.dtype, "--dtype", DTYPES[cfg.dtype])
+    if cfg.speculative.enabled and cfg.speculative.algorithm != "NGRAM":
+        b.skip("--speculative-draft-dtype", cfg.draft_dtype, "the engine runs the drafter in the model's --dtype "
+               "(specserve's auto picks bf16 only for DFLASH on CPUs, which the engines do not serve from)")
     _device(b, cfg.device, sglang)
     if cfg.tool_call_parser:
         parser = TOOL_PARSERS[engine][cfg.tool_call_parser]

@@ -14,9 +14,6 @@ if TYPE_CHECKING:
 
 def adaptive(b: ArgsBuilder, cfg: ServeConfig, sglang: bool) -> None:
     s, on, profile = cfg.speculative, cfg.speculative_adaptive, cfg.speculative_adaptive_profile
-    if s.enabled and s.algorithm != "NGRAM":
-        b.skip("--speculative-draft-dtype", cfg.draft_dtype, "the engine runs the drafter in the model's --dtype "
-               "(specserve's auto picks bf16 only for DFLASH on CPUs, which the engines do not serve from)")
     if cfg.speculative_adaptive_trace:
         b.skip("--speculative-adaptive-trace", cfg.speculative_adaptive_trace,
                "specserve's per-step log of decode passes; the engine has no counterpart")

@@ -99,7 +99,7 @@ class ModelRunner:
             pack = torch.tensor([b * q_max + i for b, q in enumerate(qs) for i in range(q)]).to(dev)  # [T]
             shape = (1, len(ids))
         view = PagedView(self.cache, write.to(dev), read.to(dev), self._mask(rows, qs, cs, q_max, k_max).to(dev),
-                         pack, (len(rows), q_max))
+                         pack)
         out = self.model(ids.view(shape).to(dev), pos.view(shape).to(dev), view, capture=capture,
                          compute_logits=False)
         h = out.hidden.reshape(len(ids), -1)  # [T, H]

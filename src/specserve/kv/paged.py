@@ -106,7 +106,6 @@ class PagedView:
     read_slots: torch.Tensor  # [B, K] long
     mask: torch.Tensor | None  # [B, 1, Q, K] bool
     pack: torch.Tensor | None = None  # [T] long, positions of the real tokens in the flattened [B, Q] grid
-    grid: tuple[int, int] = (0, 0)  # (B, Q) when packed
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, Hkv, Q, D] -> keys/values each row attends over [B, Hkv, K, D]."""
@@ -136,8 +135,8 @@ class PagedView:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[1, H, T, D] packed -> [B, H, Q, D] (padding positions zero)."""
-        assert self.pack is not None
-        b, q = self.grid
+        assert self.pack is not None and self.mask is not None
+        b, q = self.read_slots.shape[0], self.mask.shape[2]
         h, d = x.shape[1], x.shape[3]
         out = x.new_zeros(b * q, h, d)
         out[self.pack] = x[0].transpose(0, 1)
