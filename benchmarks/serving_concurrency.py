@@ -58,12 +58,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import torch
 from speculative import parse_config  # benchmarks/speculative.py (this script's folder is on sys.path)
 
 from specserve.bench.datasets import load_dataset, sample_prompts
-from specserve.bench.serving import ServingConfig, run_level, server_config, warm_up
+from specserve.bench.serving import ServingConfig, client_session, run_level, server_config, warm_up
 from specserve.bench.tune import log_tail, start_server, stop_server
 from specserve.config import SpeculativeConfig
 
@@ -171,7 +171,7 @@ def _fail(s: Live, e: BaseException) -> None:
     print(f"{s.variant.name}: {s.entry['error']}", file=sys.stderr, flush=True)
 
 
-async def _warm(client: httpx.AsyncClient, cfg: ServingConfig, dataset: Any, widest: int, s: Live) -> None:
+async def _warm(client: aiohttp.ClientSession, cfg: ServingConfig, dataset: Any, widest: int, s: Live) -> None:
     info = (await server_config(client, s.url)).get("info") or {}
     s.entry["server_speculative"] = info.get("speculative") if isinstance(info, dict) else None
     warm = await warm_up(client, cfg, dataset.prompts[0])
@@ -192,9 +192,7 @@ async def measure(live: list[Live], args: argparse.Namespace) -> None:
             for s in live]
     dataset = load_dataset("coding", args.num_prompts, SEED)
     widest = max(args.concurrency)
-    limits = httpx.Limits(max_connections=widest + 4, max_keepalive_connections=widest + 4)
-    clients = [httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s, connect=30.0))
-               for cfg in cfgs]
+    clients = [client_session(cfg.request_timeout_s, widest + 4) for cfg in cfgs]
     try:
         for s, client, cfg in zip(live, clients, cfgs, strict=True):
             try:
@@ -220,7 +218,7 @@ async def measure(live: list[Live], args: argparse.Namespace) -> None:
                           f"accept length {_num(level['accept_length'], '.2f')}", file=sys.stderr, flush=True)
     finally:
         for client in clients:
-            await client.aclose()
+            await client.close()
 
 
 def summarize_level(level: dict[str, Any]) -> dict[str, Any]:

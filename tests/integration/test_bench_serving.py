@@ -20,7 +20,7 @@ import pytest
 from specserve.bench.cli import main
 from specserve.bench.datasets import CODING_PROMPTS, Prompt
 from specserve.bench.metrics import RequestResult
-from specserve.bench.serving import ServingConfig, run_level, run_sweep, send_request
+from specserve.bench.serving import ServingConfig, client_session, run_level, run_sweep, send_request
 
 SLACK_MS = 80.0  # scheduling noise allowed above a configured delay
 LEVEL_KEYS = {"concurrency", "num_requests", "completed", "errors", "error_messages", "duration_s", "max_in_flight",
@@ -44,7 +44,7 @@ def prompts(n: int) -> list[Prompt]:
 
 def level(cfg: ServingConfig, ps: Sequence[Prompt], concurrency: int) -> dict[str, Any]:
     async def go() -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with client_session(30.0, 8) as client:
             return await run_level(client, cfg, ps, concurrency, progress=False)
 
     return asyncio.run(go())
@@ -52,7 +52,7 @@ def level(cfg: ServingConfig, ps: Sequence[Prompt], concurrency: int) -> dict[st
 
 def one_request(cfg: ServingConfig) -> RequestResult:
     async def go() -> RequestResult:
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with client_session(30.0, 8) as client:
             return await send_request(client, cfg, prompts(1)[0], cfg.output_len, ignore_eos=False)
 
     return asyncio.run(go())
@@ -127,7 +127,7 @@ def test_unreachable_url_is_reported_not_raised(tmp_path: Path, capsys: pytest.C
     assert rc == 1
     run = json.loads(out.read_text())
     assert [(lv["completed"], lv["errors"]) for lv in run["levels"]] == [(0, 3), (0, 3)]
-    assert run["levels"][0]["error_messages"][0].startswith("ConnectError")
+    assert run["levels"][0]["error_messages"][0].startswith("ClientConnectorError")
     assert run["warmup"]["ok"] is False and run["server"]["source"] is None
     assert all(lv["ttft_ms"] is None and lv["accept_length"] is None for lv in run["levels"])
     err = capsys.readouterr().err

@@ -18,11 +18,12 @@ Accept length, read around each concurrency level, first found wins:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 _SUFFIXES = ("_sum", "_count", "_bucket", "_created")
 
@@ -109,30 +110,30 @@ class ServerSnapshot:
     metrics: dict[str, float] | None  # from /metrics; None when not scraped or not served
 
 
-async def _get_json(client: httpx.AsyncClient, url: str) -> Any:
-    """The decoded JSON of a 200 answer, else None (any transport or decoding failure included)."""
+async def _get_text(client: aiohttp.ClientSession, url: str) -> str | None:
+    """The body of a 200 answer, else None (any transport or decoding failure included)."""
     try:
-        r = await client.get(url)
-        if r.status_code != 200:
-            return None
-        return r.json()
-    except (httpx.HTTPError, ValueError):
+        async with client.get(url) as r:
+            return await r.text() if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
 
-async def take_snapshot(client: httpx.AsyncClient, base_url: str) -> ServerSnapshot:
+async def _get_json(client: aiohttp.ClientSession, url: str) -> Any:
+    """The decoded JSON of a 200 answer, else None (any transport or decoding failure included)."""
+    text = await _get_text(client, url)
+    try:
+        return None if text is None else json.loads(text)
+    except ValueError:
+        return None
+
+
+async def take_snapshot(client: aiohttp.ClientSession, base_url: str) -> ServerSnapshot:
     info = await _get_json(client, f"{base_url}/server_info")
     values = find_numbers(info, "avg_spec_accept_length") or find_numbers(info, "spec_accept_length")
     accepted, forwards = (find_numbers(info, key) for key in _COUNTER_KEYS)
     counters = (sum(accepted), sum(forwards)) if accepted and forwards else None
-    metrics: dict[str, float] | None = None
-    if not values and counters is None:
-        try:
-            r = await client.get(f"{base_url}/metrics")
-            if r.status_code == 200:
-                metrics = parse_prometheus(r.text)
-        except httpx.HTTPError:
-            metrics = None
+    metrics = await scrape_metrics(client, base_url) if not values and counters is None else None
     return ServerSnapshot(info_accept_length=sum(values) / len(values) if values else None, info_counters=counters,
                           metrics=metrics)
 
@@ -152,13 +153,10 @@ def accept_length(before: ServerSnapshot, after: ServerSnapshot) -> tuple[float 
     return value, (f"metrics:{name}" if name else None)
 
 
-async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+async def scrape_metrics(client: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
     """/metrics parsed, or None where the server has none."""
-    try:
-        r = await client.get(f"{base_url}/metrics")
-    except httpx.HTTPError:
-        return None
-    return parse_prometheus(r.text) if r.status_code == 200 else None
+    text = await _get_text(client, f"{base_url}/metrics")
+    return None if text is None else parse_prometheus(text)
 
 
 def spec_step_fraction(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
@@ -174,7 +172,7 @@ def spec_step_fraction(before: dict[str, float] | None, after: dict[str, float] 
     return _delta(b, a, spec) / _delta(b, a, steps)
 
 
-async def server_config(client: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
+async def server_config(client: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
     """The server's reported configuration: `/server_info` when it exists, else `/v1/models`."""
     info = await _get_json(client, f"{base_url}/server_info")
     if info is not None:
