@@ -33,6 +33,10 @@ With --against-src DIR every speculative configuration also runs a second time f
 commit), so a change is measured against what it replaces in the same run, round by round: each level of the
 tree's variant gets `ratio_to_against`, the median of its per-round ratios to the @against variant. Goals are
 judged on the tree's variants only.
+With --plain-twin a second plain server (`NONE twin`, same build and flags) runs beside NONE: its ratio to NONE
+is the run's A/A measure, what the served noise alone makes of two identical servers (the markdown prints it per
+level with the rounds' range). On the 2-core machine this project is measured on, two plain servers differed by
+0.77-1.12x per round at concurrency 16, 0.94x over six rounds: ratios of other rows that close to 1 say nothing.
 
 Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
 the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
@@ -68,6 +72,7 @@ from specserve.bench.tune import log_tail, start_server, stop_server
 from specserve.config import SpeculativeConfig
 
 BASELINE = "NONE"
+TWIN = "NONE twin"  # --plain-twin: a second plain server, the run's own A/A measure of its noise
 AGAINST = "@against"  # name suffix of the variants run from --against-src
 SERVED_NAME = "bench"
 SEED = 0
@@ -100,11 +105,13 @@ def speculative_flags(spec: SpeculativeConfig) -> list[str]:
 
 
 def plan_variants(model: str, configs: list[str], extra: list[str],
-                  modes: tuple[str, ...] = ("fixed", "adaptive"), against: str | None = None) -> list[Variant]:
-    """NONE, then each config fixed, then each config adaptive (those of `modes`), each followed by its run
-    from `against` if given; ValueError naming a bad --config."""
+                  modes: tuple[str, ...] = ("fixed", "adaptive"), against: str | None = None,
+                  plain_twin: bool = False) -> list[Variant]:
+    """NONE (and its twin with `plain_twin`), then each config fixed, then each config adaptive (those of
+    `modes`), each followed by its run from `against` if given; ValueError naming a bad --config."""
     common = [*extra, "--served-model-name", SERVED_NAME]  # the client asks for this name
-    variants = [Variant(BASELINE, None, None, (*common, "--speculative-algorithm", "NONE"))]
+    plain = (*common, "--speculative-algorithm", "NONE")
+    variants = [Variant(BASELINE, None, None, plain)] + ([Variant(TWIN, None, None, plain)] if plain_twin else [])
     resolved = []
     for text in configs:
         spec = parse_config(text, model)
@@ -297,6 +304,13 @@ def _num(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _aa_cell(twin: dict[str, Any], c: int) -> str:
+    lv = twin["levels"].get(str(c)) or {}
+    rounds = [r for r in lv.get("rounds_ratio_to_plain") or [] if r is not None]
+    spread = f" ({min(rounds):.2f}–{max(rounds):.2f})" if rounds else ""
+    return f"c={c} {_num(lv.get('ratio_to_plain'), '.2f')}×{spread}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     cs = report["concurrency"]
     lines = [f"# Served throughput by concurrency: `{report['model']}`", "",
@@ -323,6 +337,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Against `{report['against_src']}` (median of the per-round ratios to the @against twin):", ""]
         lines += [f"- `{e['name']}`: " + ", ".join(
             f"c={c} {_num(e['levels'].get(str(c), {}).get('ratio_to_against'), '.2f')}×" for c in cs) for e in pairs]
+    twin = next((e for e in report["configs"] if e["name"] == TWIN), None)
+    if twin is not None:
+        lines += ["", "A/A (`--plain-twin`: a second plain server, the same build and flags): its ratio to NONE per "
+                  "level, median (rounds' range) — ratios of other rows this close to 1 are not resolved by this run:",
+                  ""]
+        lines += ["- " + ", ".join(_aa_cell(twin, c) for c in cs)]
     g = report["goals"]
     lines += ["", f"Batching (NONE c=16 / c=1): {_num(report['batching_ratio_plain_c16_over_c1'], '.2f')}× "
               f"(goal ≥ 6×: {g['plain_c16_ge_6x_plain_c1']})", ""]
@@ -355,6 +375,8 @@ def main() -> int:
     ap.add_argument("--against-src", default=None,
                     help="also run every speculative configuration from this source tree (PYTHONPATH), e.g. the "
                          "src/ of a `git worktree` of an earlier commit, and compare round by round")
+    ap.add_argument("--plain-twin", action="store_true",
+                    help="also run a second plain server (NONE twin): the run's own A/A spread (see the docstring)")
     ap.add_argument("--server-timeout", type=float, default=900.0,
                     help="seconds a server gets to answer /health (an adaptive server may profile first)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here and a markdown table beside it")
@@ -371,7 +393,7 @@ def main() -> int:
         if a.against_src is not None and not (Path(a.against_src) / "specserve").is_dir():
             raise ValueError(f"--against-src {a.against_src}: no specserve package there (give a tree's src/)")
         variants = plan_variants(a.model, a.config or ["NGRAM"], shlex.split(a.extra_serve_args), modes,
-                                 a.against_src)
+                                 a.against_src, a.plain_twin)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
