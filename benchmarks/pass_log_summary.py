@@ -21,6 +21,12 @@ since the last speculating one, each position's median seconds per request over 
 (`runs/serving/s20d_fp32_t0.logs/02-EAGLE3-adaptive.passes.jsonl`, B = 12: 1.09 / 1.22 / 1.08 / 1.15 for the
 first four, NGRAM's 1.22 / 1.11 / 0.97 / 1.11; DFLASH's 0.88-1.01): the plain pass a refresh measures (the second)
 runs slower than plain decoding that stays plain.
+
+With --widths-at B, per log also the decode passes of exactly B requests by draft width and the ceiling: the
+speculating passes' tok/s over the plain passes'. Where a server speculates in nearly every pass that bounds what
+the level can gain (`runs/serving/s23a_t0.logs/*`, B = 1: EAGLE3 1.93x — a 5-draft pass took 15.8 ms for 4.7
+tokens against a plain pass's 6.7 ms —, DFLASH 2.23x, 17.5 ms for 5.8 tokens); where it picks its moments (NGRAM,
+2.60x) it does not: the plain passes are the ones it judged unpromising.
 """
 
 from __future__ import annotations
@@ -93,6 +99,25 @@ def after_speculation(passes: list[dict[str, float]], min_batch: int, warm_after
             {"passes": len(v), "over_warm": round(statistics.median(v) / base, 3)} for k, v in sorted(by.items())}
 
 
+def widths_at(passes: list[dict[str, float]], batch: int) -> dict[str, Any]:
+    """Decode passes of exactly `batch` requests by draft width (catch-ups left out): passes, median ms, tokens
+    per pass and tok/s; `ceiling`: the speculating passes' tok/s (all widths) over the plain passes' — what
+    speculation gives over plain decoding at this batch size on this server were every pass like those (no
+    prefill, no switching, no plain refreshes)."""
+    by: dict[int, list[dict[str, float]]] = {}
+    for p in passes:
+        if p["batch"] == batch and not p["catch_up"]:
+            by.setdefault(int(p["width"]), []).append(p)
+    out: dict[str, Any] = {}
+    for w, ps in sorted(by.items()):
+        out[str(w)] = {"passes": len(ps), "median_ms": round(1e3 * statistics.median(p["seconds"] for p in ps), 2),
+                       "tokens_per_pass": round(sum(p["tokens"] for p in ps) / len(ps), 2),
+                       "tok_s": round(_rate(ps) or 0.0, 1)}
+    plain, spec = _rate(by.get(0, [])), _rate([p for w, ps in by.items() if w > 0 for p in ps])
+    out["ceiling"] = round(spec / plain, 3) if plain and spec is not None else None
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pass_log", type=Path, nargs="+")
@@ -101,6 +126,8 @@ def main() -> int:
     ap.add_argument("--after-speculation", type=int, default=None, metavar="B",
                     help="also: plain passes of at least B requests by their distance from the last speculating "
                          "pass, against warm ones (`after_speculation`)")
+    ap.add_argument("--widths-at", type=int, default=None, metavar="B",
+                    help="also: decode passes of exactly B requests by draft width, and the ceiling (`widths_at`)")
     a = ap.parse_args()
     logs = []
     for path in a.pass_log:
@@ -109,6 +136,8 @@ def main() -> int:
                                  "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]}
         if a.after_speculation is not None:
             entry["plain_after_speculation"] = after_speculation(read_pass_log(path), a.after_speculation)
+        if a.widths_at is not None:
+            entry["widths_at"] = widths_at(read_pass_log(path), a.widths_at)
         logs.append(entry)
     print(json.dumps({"logs": logs}, indent=1))
     return 0

@@ -35,8 +35,10 @@ tree's variant gets `ratio_to_against`, the median of its per-round ratios to th
 judged on the tree's variants only.
 With --plain-twin a second plain server (`NONE twin`, same build and flags) runs beside NONE: its ratio to NONE
 is the run's A/A measure, what the served noise alone makes of two identical servers (the markdown prints it per
-level with the rounds' range). On the 2-core machine this project is measured on, two plain servers differed by
-0.77-1.12x per round at concurrency 16, 0.94x over six rounds: ratios of other rows that close to 1 say nothing.
+level with the rounds' range). On the 2-core machine this project is measured on, the twin's per-round ratios
+to NONE ran 0.94-1.18 at concurrency 1, 0.81-1.02 at 4, 0.85-1.04 at 16 and 0.85-1.01 at 32 (medians 1.08 /
+0.97 / 1.00 / 0.95; `--config NGRAM --config EAGLE3 --config DFLASH --modes adaptive --concurrency 1,4,16,32
+--rounds 4 --plain-twin --out runs/serving/s23c_t0.json`): ratios of other rows that close to 1 say nothing.
 
 Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
 the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
