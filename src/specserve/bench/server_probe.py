@@ -26,6 +26,8 @@ from typing import Any
 import aiohttp
 
 _SUFFIXES = ("_sum", "_count", "_bucket", "_created")
+#: what a request can fail with on the way (refused connection, reset, timeout without progress)
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 def find_numbers(obj: Any, key: str) -> list[float]:
@@ -115,7 +117,7 @@ async def _get_text(client: aiohttp.ClientSession, url: str) -> str | None:
     try:
         async with client.get(url) as r:
             return await r.text() if r.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+    except (*TRANSPORT_ERRORS, ValueError):
         return None
 
 

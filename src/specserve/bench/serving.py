@@ -39,6 +39,7 @@ from tqdm import tqdm
 from specserve.bench.datasets import Prompt
 from specserve.bench.metrics import Chunk, RequestResult, aggregate_level, request_timing
 from specserve.bench.server_probe import (
+    TRANSPORT_ERRORS,
     accept_length,
     scrape_metrics,
     server_config,
@@ -86,10 +87,6 @@ class ServingConfig:
     @property
     def url(self) -> str:
         return normalize_base_url(self.base_url) + ENDPOINTS[self.endpoint]
-
-
-#: what a request can fail with on the way (refused connection, reset, timeout without progress)
-TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 def client_session(timeout_s: float, connections: int, api_key: str | None = None) -> aiohttp.ClientSession:
