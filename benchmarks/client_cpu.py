@@ -63,9 +63,8 @@ async def level_httpx(cfg: ServingConfig, prompts: Sequence[Prompt], c: int) -> 
             async with gate, client.stream("POST", cfg.url, json=build_body(cfg, prompt, cfg.output_len, True)) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
-                    data = line[len("data:"):].strip() if line.startswith("data:") else None
-                    if data and data != "[DONE]":
-                        reader.feed(json.loads(data), time.perf_counter() - start)
+                    if not reader.feed_line(line, start):
+                        break
             return reader.streamed_tokens
 
         return sum(await asyncio.gather(*(one(p) for p in prompts)))

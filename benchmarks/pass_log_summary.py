@@ -134,10 +134,11 @@ def main() -> int:
         rows = [summarize(s) for s in stretches(read_pass_log(path, kind=None), a.gap)]
         entry: dict[str, Any] = {"pass_log": str(path),
                                  "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]}
+        decodes = read_pass_log(path)
         if a.after_speculation is not None:
-            entry["plain_after_speculation"] = after_speculation(read_pass_log(path), a.after_speculation)
+            entry["plain_after_speculation"] = after_speculation(decodes, a.after_speculation)
         if a.widths_at is not None:
-            entry["widths_at"] = widths_at(read_pass_log(path), a.widths_at)
+            entry["widths_at"] = widths_at(decodes, a.widths_at)
         logs.append(entry)
     print(json.dumps({"logs": logs}, indent=1))
     return 0

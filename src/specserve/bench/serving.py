@@ -146,6 +146,18 @@ class StreamReader:
     # puts the final usage into the last content chunk must not have all tokens counted there.
     _cumulative: bool | None = None
 
+    def feed_line(self, line: str, start: float) -> bool:
+        """One line of the SSE stream (without its line break) of a request sent at `start` (perf_counter): a
+        `data:` event is decoded and fed; False at `data: [DONE]`, the stream's end. Raises ValueError on data
+        that is not JSON."""
+        if not line.startswith("data:"):
+            return True  # blank separators, comments, `event:` lines
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return False
+        self.feed(json.loads(data), time.perf_counter() - start)
+        return True
+
     def feed(self, event: Any, t_s: float) -> None:
         if not isinstance(event, dict):
             raise ValueError(f"stream event is not a JSON object: {str(event)[:100]}")
@@ -195,13 +207,8 @@ async def send_request(client: aiohttp.ClientSession, cfg: ServingConfig, prompt
                 detail = (await resp.read()).decode("utf-8", errors="replace").strip()
                 return _failed(f"HTTP {resp.status}: {detail[:200]}", reader)
             async for raw in resp.content:  # lines, each with its line break
-                line = raw.decode("utf-8").rstrip("\r\n")
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, `event:` lines
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                if not reader.feed_line(raw.decode("utf-8").rstrip("\r\n"), start):
                     break
-                reader.feed(json.loads(data), time.perf_counter() - start)
             end = time.perf_counter() - start
     except TRANSPORT_ERRORS as e:
         return _failed(f"{type(e).__name__}: {e or 'no detail'} ({cfg.url})", reader)
