@@ -23,8 +23,8 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
-from specserve.spec.dflash import DFlashDrafter, _flush_many
-from specserve.spec.dflash_checkpoint import load_dflash
+from specserve.speculative.dflash.checkpoint import load_dflash
+from specserve.speculative.dflash.drafter import DFlashDrafter, _flush_many
 from specserve.types import SamplingParams
 
 CONTEXT = 200

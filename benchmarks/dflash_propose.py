@@ -21,12 +21,12 @@ import time
 
 import torch
 
-import specserve.spec.dflash as dflash
+import specserve.speculative.dflash.drafter as dflash
 from specserve.bench.suites import load_suite
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.llama import CausalLM
-from specserve.spec.dflash_checkpoint import load_dflash
+from specserve.speculative.dflash.checkpoint import load_dflash
 from specserve.types import SamplingParams
 
 

@@ -35,8 +35,8 @@ from specserve.bench.suites import load_suite
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
-from specserve.spec.decode import generate_speculative
-from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 
 # (prompt ids, new tokens) -> (generated ids, accept length per verify step; empty when not speculative)

@@ -23,7 +23,7 @@ from specserve.bench.acceptance import run_acceptance
 from specserve.bench.suites import load_suite
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
-from specserve.spec.factory import default_draft_path, drafter_block_size
+from specserve.speculative.factory import default_draft_path, drafter_block_size
 from specserve.types import SamplingParams
 
 KEYS = {"path": "draft_model_path", "steps": "num_steps", "topk": "eagle_topk", "draft": "num_draft_tokens",

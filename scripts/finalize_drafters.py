@@ -33,7 +33,7 @@ from specserve.bench.suites import load_suite
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.loader import ASSETS
-from specserve.spec.factory import drafter_block_size
+from specserve.speculative.factory import drafter_block_size
 from specserve.train.calibrate import GREEDY_GRID, SAMPLED_GRID, CalibrateConfig, calibrate_tree_temperature
 from specserve.train.export import ExportConfig, export, run_tokens_per_s
 from specserve.types import SamplingParams

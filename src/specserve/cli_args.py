@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specserve.config import ALGORITHMS, TREES, SpeculativeConfig
-from specserve.spec.factory import default_draft_path, drafter_block_size
+from specserve.speculative.factory import default_draft_path, drafter_block_size
 from specserve.types import SamplingParams
 
 

@@ -24,9 +24,9 @@ from specserve.engine.plain import generate_plain
 from specserve.kv.contiguous import KVCache
 from specserve.kv.paged import PagedKVCache
 from specserve.layers.sampling import target_probs
-from specserve.spec.dflash_checkpoint import init_random_dflash
-from specserve.spec.eagle3_checkpoint import init_random_eagle3
-from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)

@@ -10,7 +10,7 @@ import torch
 
 from specserve.cli import main
 from specserve.models.loader import load_model
-from specserve.spec.dflash_checkpoint import init_random_dflash, read_dflash_config
+from specserve.speculative.dflash.checkpoint import init_random_dflash, read_dflash_config
 from specserve.train.calibrate import CalibrateConfig
 
 

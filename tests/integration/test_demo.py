@@ -13,8 +13,8 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.engine.plain import generate_plain
 from specserve.models.loader import resolve_model_path
-from specserve.spec.decode import generate_speculative
-from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -37,8 +37,8 @@ from specserve.deploy.known_flags import check_command, load_engine_flags, missi
 from specserve.deploy.systemd import analyze_unit, exec_line
 from specserve.models.loader import load_config
 from specserve.server.serve_config import ServeConfig
-from specserve.spec.dflash_checkpoint import init_random_dflash
-from specserve.spec.eagle3_checkpoint import init_random_eagle3
+from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 

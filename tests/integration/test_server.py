@@ -28,8 +28,8 @@ from specserve.server.engine_api import EngineOutput, RequestGroup
 from specserve.server.schemas import StreamOptions
 from specserve.server.serve_config import serve_config_from_args
 from specserve.server.tool_parsers import HermesParser, KimiK2Parser, Parsed, ToolParser
-from specserve.spec.dflash_checkpoint import init_random_dflash
-from specserve.spec.eagle3_checkpoint import init_random_eagle3
+from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 

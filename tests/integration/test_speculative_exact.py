@@ -13,10 +13,10 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.engine.plain import generate_plain
-from specserve.spec.decode import generate_speculative
-from specserve.spec.dflash_checkpoint import init_random_dflash
-from specserve.spec.eagle3_checkpoint import init_random_eagle3
-from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import GenerationResult, SamplingParams
 
 TEXTS = [

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from specserve.engine.plain import generate_plain
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model
-from specserve.spec.dflash_checkpoint import init_random_dflash, load_dflash
-from specserve.spec.eagle3_checkpoint import init_random_eagle3, load_eagle3
-from specserve.spec.eagle3_model import Eagle3Model
+from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3, load_eagle3
+from specserve.speculative.eagle3.model import Eagle3Model
 from specserve.tokenizer import Tokenizer
 from specserve.train.cli import add_train_parsers, main, run_training
 from specserve.train.data import BUNDLED_PROMPTS, load_data, read_prompts, read_shard

@@ -18,12 +18,12 @@ from specserve.engine.plain import generate_plain
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
-from specserve.spec.ddtree import build_ddtree
-from specserve.spec.decode import generate_speculative
-from specserve.spec.dflash import DFlashDrafter
-from specserve.spec.dflash_checkpoint import check_dflash, init_random_dflash, load_dflash, save_dflash
-from specserve.spec.dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
-from specserve.spec.tree import descendants
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.dflash.checkpoint import check_dflash, init_random_dflash, load_dflash, save_dflash
+from specserve.speculative.dflash.drafter import DFlashDrafter
+from specserve.speculative.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from specserve.speculative.trees.ddtree import build_ddtree
+from specserve.speculative.trees.tree import descendants
 from specserve.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -503,7 +503,7 @@ def test_greedy_requests_rebuild_below_their_first_path(draft: DFlashDraftModel,
     """dflash_config.greedy_reveal = 1: the DDTree's first node is shown to the drafter and the subtree below it
     rebuilt as the best tree of as many nodes over the block's laws given it; the rest of the tree and its size
     stay; batched as one at a time."""
-    from specserve.spec.ddtree import rebuild_below
+    from specserve.speculative.trees.ddtree import rebuild_below
 
     sharp = replace(draft.config, tree_temperature=0.05)  # deep trees: the first node has a subtree
     cfg = replace(sharp, greedy_reveal=1)
@@ -544,7 +544,7 @@ def test_lm_head_rows_past_the_first_only_for_trees_that_reach_them(draft: DFlas
     """The tree built from the first LAZY_ROWS rows is kept only when it stays shallower than them, so every
     DDTree equals the best tree over all the block's rows, alone and batched (also a batch where some requests
     take all rows up front, their last tree having been deep, and others not)."""
-    from specserve.spec.dflash import LAZY_ROWS
+    from specserve.speculative.dflash.drafter import LAZY_ROWS
 
     model = DFlashDraftModel(replace(draft.config, tree_temperature=tau))
     model.load_state_dict(draft.state_dict())

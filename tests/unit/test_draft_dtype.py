@@ -10,7 +10,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM, cpu_has_native_bf16, default_draft_dtype
 from specserve.server.serve_config import ServeConfig
-from specserve.spec.dflash_checkpoint import init_random_dflash
+from specserve.speculative.dflash.checkpoint import init_random_dflash
 
 
 def test_auto_runs_only_dflash_in_bf16_and_only_on_cpus_with_native_bf16() -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.ngram import NgramDrafter
-from specserve.spec.tree import DraftTree
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.trees.tree import DraftTree
 
 CPU = torch.device("cpu")
 

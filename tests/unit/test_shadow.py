@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.shadow import ShadowRounds, walk
-from specserve.spec.tree import DraftTree
+from specserve.speculative.trees.tree import DraftTree
 
 
 def tree(tokens: list[int], parents: list[int]) -> DraftTree:

@@ -16,12 +16,12 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
-from specserve.spec.dflash import DFlashDrafter
-from specserve.spec.dflash_checkpoint import init_random_dflash, load_dflash
-from specserve.spec.dflash_model import DFlashDraftModel
-from specserve.spec.eagle3 import Eagle3Drafter
-from specserve.spec.eagle3_checkpoint import init_random_eagle3, load_eagle3
-from specserve.spec.eagle3_model import Eagle3Model
+from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash
+from specserve.speculative.dflash.drafter import DFlashDrafter
+from specserve.speculative.dflash.model import DFlashDraftModel
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3, load_eagle3
+from specserve.speculative.eagle3.drafter import Eagle3Drafter
+from specserve.speculative.eagle3.model import Eagle3Model
 from specserve.train import checkpoint as ckpt
 from specserve.train.data import Example, read_prompts
 from specserve.train.dflash import (

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from specserve.spec.ddtree import build_ddtree, rebuild_below
-from specserve.spec.eagle_tree import expand_eagle_tree
-from specserve.spec.tree import DraftTree
+from specserve.speculative.trees.ddtree import build_ddtree, rebuild_below
+from specserve.speculative.trees.eagle_tree import expand_eagle_tree
+from specserve.speculative.trees.tree import DraftTree
 
 Path = tuple[int, ...]
 

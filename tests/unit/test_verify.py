@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.spec.sampled_tree import draw_tree
-from specserve.spec.tree import DraftTree
-from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from specserve.speculative.trees.sampled_tree import draw_tree
+from specserve.speculative.trees.tree import DraftTree
+from specserve.speculative.verify import VerifyResult, verify_greedy, verify_sampled
 
 V = 5
 ALPHA = 1e-4  # a lossless rule must not be rejected at this level ...
@@ -319,7 +319,7 @@ def test_a_tree_drawn_again_below_its_first_path_is_lossless() -> None:
     the subtree below the first child drawn again from laws that depend on that child's token, and below its
     first child from laws that depend on both (`redraw_below`), verified by recursive rejection: the target's
     law exactly. Recording the first draw's laws for the redrawn nodes instead is caught."""
-    from specserve.spec.sampled_tree import redraw_below
+    from specserve.speculative.trees.sampled_tree import redraw_below
 
     parents = [-1, 0, 0, 1, 1, 3, 3, 5]
     depths = depths_of(parents)

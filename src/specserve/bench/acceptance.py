@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from specserve.bench.suites import Task
 from specserve.engine.llm import LLM
-from specserve.spec.decode import generate_speculative
-from specserve.spec.factory import DrafterBuilder
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.factory import DrafterBuilder
 from specserve.types import GenerationResult, SamplingParams
 
 

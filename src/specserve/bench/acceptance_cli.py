@@ -46,7 +46,7 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
     from specserve.bench.acceptance import run_acceptance
     from specserve.bench.suites import load_suite
     from specserve.engine.llm import LLM
-    from specserve.spec.factory import DrafterBuilder, plan_drafter
+    from specserve.speculative.factory import DrafterBuilder, plan_drafter
 
     tasks = load_suite(a.suite)[: a.num_tasks]
     new = a.max_new_tokens or (32 if a.suite == "heldout-code" else 128)

@@ -36,10 +36,10 @@ from specserve.kv.paged import PagedKVCache
 from specserve.kv.radix import RadixCache
 from specserve.layers.sampling import make_generator, pick, target_probs
 from specserve.models.llama import CausalLM
-from specserve.spec.drafter import Drafter
-from specserve.spec.factory import DrafterBuilder
-from specserve.spec.tree import DraftTree
-from specserve.spec.verify import verify_greedy, verify_sampled
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.factory import DrafterBuilder
+from specserve.speculative.trees.tree import DraftTree
+from specserve.speculative.verify import verify_greedy, verify_sampled
 from specserve.types import SamplingParams
 
 #: prefill chunks up to this long ride in a decode forward (a KV block: what a prefix-cache hit leaves)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.engine.scheduler import DecodeItem
-from specserve.spec.drafter import Drafter
-from specserve.spec.tree import DraftTree
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.tree import DraftTree
 
 
 def draft_trees(items: Sequence[DecodeItem], drafters: Sequence[Drafter | None],

@@ -16,8 +16,8 @@ from specserve.engine.plain import generate_plain
 from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model, resolve_model_path
-from specserve.spec.decode import generate_speculative
-from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import GenerationResult, SamplingParams
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specserve.spec.drafter import Drafter
-from specserve.spec.tree import DraftTree
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.tree import DraftTree
 
 
 def walk(tree: DraftTree, following: list[int]) -> tuple[list[int], bool]:

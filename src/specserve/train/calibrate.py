@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
-from specserve.spec.dflash_checkpoint import read_dflash_config
+from specserve.speculative.dflash.checkpoint import read_dflash_config
 from specserve.train.evaluate import AcceptanceEvaluator, EvalConfig
 
 GREEDY_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

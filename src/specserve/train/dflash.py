@@ -5,7 +5,7 @@ replacement; sequences with fewer positions than anchors use all of them). The b
 positions a .. a+bs-1, sees the target's context at positions < a (its tapped states, "KV injection") and
 itself bidirectionally, never the other blocks (`DFlashDraftModel.train_blocks`). Block position k >= 1
 predicts token a+k through the target's own LM head; cross-entropy weighted exp(-(k-1)/gamma), gamma = 7,
-over positions inside the sequence. This is the drafting of `spec/dflash.py` with the anchor as the root.
+over positions inside the sequence. This is the drafting of `speculative/dflash/drafter.py` with the anchor as the root.
 
 With `soft_label_weight` = a > 0 the label of block position k is also the target's own distribution over token
 a+k (its next-token distribution at position a+k-1, computed in the same target forward): loss = (1-a) x hard CE
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.llama import CausalLM
-from specserve.spec.dflash_checkpoint import init_random_dflash, load_dflash, save_dflash
-from specserve.spec.dflash_model import DFlashDraftModel
+from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash, save_dflash
+from specserve.speculative.dflash.model import DFlashDraftModel
 from specserve.tokenizer import Tokenizer
 from specserve.train.corpus import SPECIAL_TOKENS
 from specserve.train.data import Example, collate

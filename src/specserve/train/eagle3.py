@@ -1,8 +1,8 @@
 """EAGLE-3 training: the training-time test, unrolled over the drafter's own features.
 
 Slot s of the drafter holds (feature of token s, embedding of token s+1) and predicts token s+2, exactly as
-`spec/eagle3.py` drafts. Step 0 feeds the target's features (fc of the three tapped states). Step i feeds,
-at slot s, the drafter's own step-(i-1) output of slot s-1, so slot s at step i is the i-th draft after
+`speculative/eagle3/drafter.py` drafts. Step 0 feeds the target's features (fc of the three tapped
+states). Step i feeds, at slot s, the drafter's own step-(i-1) output of slot s-1, so slot s at step i is the i-th draft after
 the committed token c = s - i. Its attention sees what drafting would have in the KV cache:
   step-0 keys at positions <= c  (committed pairs)      step-k keys at position c + k, k = 1..i
 The keys of earlier steps are kept in a list (`UnrolledKV`), so every step runs the model's own forward.
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from specserve.kv.contiguous import KVCache, KVView
 from specserve.models.llama import CausalLM
-from specserve.spec.eagle3_checkpoint import init_random_eagle3, load_eagle3, save_eagle3
-from specserve.spec.eagle3_model import Eagle3Model
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3, load_eagle3, save_eagle3
+from specserve.speculative.eagle3.model import Eagle3Model
 from specserve.train.data import Example, collate
 from specserve.train.distributed import sync
 from specserve.train.trainer import Objective, StepLoss

@@ -16,8 +16,8 @@ from specserve.bench.acceptance import repeated_ngram_fraction
 from specserve.bench.suites import load_suite
 from specserve.config import SpeculativeConfig
 from specserve.models.llama import CausalLM
-from specserve.spec.decode import generate_speculative
-from specserve.spec.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.decode import generate_speculative
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 

@@ -21,12 +21,12 @@ import torch
 
 from specserve.config import ModelConfig, parse_dtype
 from specserve.models.loader import load_config, resolve_model_path
-from specserve.spec.dflash_checkpoint import load_dflash, save_dflash
-from specserve.spec.dflash_model import ARCH as DFLASH_ARCH
-from specserve.spec.dflash_model import DFlashDraftModel
-from specserve.spec.eagle3_checkpoint import load_eagle3, save_eagle3
-from specserve.spec.eagle3_model import ARCHITECTURES as EAGLE3_ARCHS
-from specserve.spec.eagle3_model import Eagle3Model
+from specserve.speculative.dflash.checkpoint import load_dflash, save_dflash
+from specserve.speculative.dflash.model import ARCH as DFLASH_ARCH
+from specserve.speculative.dflash.model import DFlashDraftModel
+from specserve.speculative.eagle3.checkpoint import load_eagle3, save_eagle3
+from specserve.speculative.eagle3.model import ARCHITECTURES as EAGLE3_ARCHS
+from specserve.speculative.eagle3.model import Eagle3Model
 from specserve.train import checkpoint as ckpt
 
 FORMATS = ("sglang", "vllm", "dflash")

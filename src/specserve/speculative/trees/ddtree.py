@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from specserve.spec.tree import DraftTree, descendants
+from specserve.speculative.trees.tree import DraftTree, descendants
 
 _LOG_PROB_SLACK = 1e-4  # log_softmax can round a little above 0
 

@@ -20,7 +20,7 @@ from itertools import pairwise
 import torch
 
 from specserve.layers.sampling import sample
-from specserve.spec.tree import DraftTree
+from specserve.speculative.trees.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """DFlash drafter checkpoints: read and check a config.json + safetensors directory against the target,
-load, save, and write random-weight drafters (layout: `spec/dflash_model.py`).
+load, save, and write random-weight drafters (layout: `speculative/dflash/model.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.models.loader import resolve_model_path
 from specserve.models.weights import fuse_hf_state, iter_tensors, save_safetensors, split_to_hf, weight_files
-from specserve.spec.dflash_model import ARCH, FLAG, DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from specserve.speculative.dflash.model import ARCH, FLAG, DFlashConfig, DFlashDraftModel, default_target_layer_ids
 
 
 def read_dflash_config(model_dir: Path) -> DFlashConfig:

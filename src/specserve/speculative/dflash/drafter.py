@@ -33,12 +33,12 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
-from specserve.spec.ddtree import build_ddtree, rebuild_below
-from specserve.spec.dflash_checkpoint import check_against_target, dflash_block_size
-from specserve.spec.dflash_model import FLAG, DFlashDraftModel
-from specserve.spec.drafter import Drafter
-from specserve.spec.sampled_tree import draw_tree, redraw_below
-from specserve.spec.tree import DraftTree
+from specserve.speculative.dflash.checkpoint import check_against_target, dflash_block_size
+from specserve.speculative.dflash.model import FLAG, DFlashDraftModel
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.ddtree import build_ddtree, rebuild_below
+from specserve.speculative.trees.sampled_tree import draw_tree, redraw_below
+from specserve.speculative.trees.tree import DraftTree
 from specserve.types import SamplingParams
 
 LAZY_ROWS = 6  # block rows given the LM head before a DDTree is built (see `DFlashDrafter.lazy_rows`)

@@ -25,11 +25,11 @@ from specserve.kv.contiguous import KVCache
 from specserve.kv.rows import rows_view
 from specserve.layers.sampling import sample, target_probs
 from specserve.models.llama import CausalLM
-from specserve.spec.drafter import Drafter
-from specserve.spec.eagle3_checkpoint import check_target
-from specserve.spec.eagle3_model import Eagle3Model
-from specserve.spec.eagle_tree import expand_eagle_tree
-from specserve.spec.tree import DraftTree
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.eagle3.checkpoint import check_target
+from specserve.speculative.eagle3.model import Eagle3Model
+from specserve.speculative.trees.eagle_tree import expand_eagle_tree
+from specserve.speculative.trees.tree import DraftTree
 from specserve.types import SamplingParams
 
 

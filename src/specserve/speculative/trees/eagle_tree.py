@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.spec.tree import DraftTree
+from specserve.speculative.trees.tree import DraftTree
 
 # step_fn(tokens [F], parents [F] fed-node indices) -> log-probs [F, V] of each fed token's next token.
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -13,9 +13,9 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import KVCache
 from specserve.layers.sampling import sample, target_probs
 from specserve.models.llama import CausalLM
-from specserve.spec.drafter import Drafter
-from specserve.spec.eagle_tree import expand_eagle_tree
-from specserve.spec.tree import DraftTree
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.eagle_tree import expand_eagle_tree
+from specserve.speculative.trees.tree import DraftTree
 from specserve.types import SamplingParams
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.drafter import Drafter
-from specserve.spec.tree import DraftTree
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.tree import DraftTree
 
 
 class NgramDrafter(Drafter):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from specserve.layers.sampling import sample
-from specserve.spec.tree import DraftTree, descendants
+from specserve.speculative.trees.tree import DraftTree, descendants
 
 
 def draw_tree(shape: DraftTree, q: torch.Tensor, generator: torch.Generator | None) -> DraftTree:

@@ -1,5 +1,5 @@
 """EAGLE-3 drafter checkpoints: check a directory against the target, load, save, and write random-weight
-drafters (the layout and the aux-layer-id conventions: `spec/eagle3_model.py`).
+drafters (the layout and the aux-layer-id conventions: `speculative/eagle3/model.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from safetensors import SafetensorError, safe_open
 from specserve.config import ModelConfig
 from specserve.models.loader import resolve_model_path
 from specserve.models.weights import iter_tensors, save_safetensors, weight_files
-from specserve.spec.eagle3_model import ARCHITECTURE, AUX_FIELD, FLAG, Eagle3Config, Eagle3Model, default_aux_layer_ids
+from specserve.speculative.eagle3.model import (
+    ARCHITECTURE,
+    AUX_FIELD,
+    FLAG,
+    Eagle3Config,
+    Eagle3Model,
+    default_aux_layer_ids,
+)
 
 
 def check_target(cfg: Eagle3Config, target: ModelConfig, own_embedding: bool, where: str) -> None:

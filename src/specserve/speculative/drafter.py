@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.spec.tree import DraftTree
+from specserve.speculative.trees.tree import DraftTree
 
 
 class Drafter(ABC):

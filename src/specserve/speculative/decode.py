@@ -1,7 +1,7 @@
 """Speculative decoding of one request: draft a tree, verify it in one target forward, commit.
 
 Exactness rests on three things only: the verify forward sees each node at its true position
-with an ancestor-only mask, the verifier is lossless (spec/verify.py), and the accepted path's
+with an ancestor-only mask, the verifier is lossless (speculative/verify.py), and the accepted path's
 KV is compacted into contiguous slots before the next round.
 """
 
@@ -16,9 +16,9 @@ from specserve.engine.stops import StopChecker
 from specserve.kv.contiguous import KVCache
 from specserve.layers.sampling import make_generator, pick, target_probs
 from specserve.models.llama import CausalLM
-from specserve.spec.drafter import Drafter
-from specserve.spec.tree import DraftTree
-from specserve.spec.verify import verify_greedy, verify_sampled
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.tree import DraftTree
+from specserve.speculative.verify import verify_greedy, verify_sampled
 from specserve.types import GenerationResult, SamplingParams
 
 #: Builds a per-request drafter: (sampling params, generator, max context length) -> Drafter.

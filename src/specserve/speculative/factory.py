@@ -13,9 +13,9 @@ from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model, resolve_model_path
-from specserve.spec.draft_model import DraftModelDrafter, check_draft_model
-from specserve.spec.drafter import Drafter
-from specserve.spec.ngram import NgramDrafter
+from specserve.speculative.draft_model import DraftModelDrafter, check_draft_model
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.ngram import NgramDrafter
 from specserve.types import SamplingParams
 
 #: Bundled drafters used when the target is the bundled demo and no draft path is given.
@@ -58,11 +58,11 @@ def plan_drafter(spec: SpeculativeConfig, target_cfg: ModelConfig) -> DrafterPla
                 f"the target's {target_cfg.vocab_size}; STANDALONE needs the target's tokenizer"
             )
     elif spec.algorithm == "EAGLE3":
-        from specserve.spec.eagle3_checkpoint import check_eagle3
+        from specserve.speculative.eagle3.checkpoint import check_eagle3
 
         check_eagle3(draft_dir, target_cfg)
     elif spec.algorithm == "DFLASH":
-        from specserve.spec.dflash_checkpoint import check_dflash
+        from specserve.speculative.dflash.checkpoint import check_dflash
 
         check_dflash(draft_dir, target_cfg, spec)
     return DrafterPlan(spec, draft_dir)
@@ -86,12 +86,12 @@ class DrafterBuilder:
             check_draft_model(draft, target)
             self.weights = draft
         elif plan.spec.algorithm == "EAGLE3":
-            from specserve.spec.eagle3_checkpoint import load_eagle3
+            from specserve.speculative.eagle3.checkpoint import load_eagle3
 
             assert plan.draft_dir is not None
             self.weights = load_eagle3(plan.draft_dir, target.config, device, dtype)
         elif plan.spec.algorithm == "DFLASH":
-            from specserve.spec.dflash_checkpoint import load_dflash
+            from specserve.speculative.dflash.checkpoint import load_dflash
 
             assert plan.draft_dir is not None
             self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)
@@ -142,10 +142,10 @@ class DrafterBuilder:
             assert isinstance(self.weights, CausalLM)
             return DraftModelDrafter(self.weights, s, params, generator, max_len)
         if s.algorithm == "EAGLE3":
-            from specserve.spec.eagle3 import Eagle3Drafter
+            from specserve.speculative.eagle3.drafter import Eagle3Drafter
 
             return Eagle3Drafter(self.weights, self.target, s, params, generator, max_len)  # type: ignore[arg-type]
-        from specserve.spec.dflash import DFlashDrafter
+        from specserve.speculative.dflash.drafter import DFlashDrafter
 
         return DFlashDrafter(self.weights, self.target, s, params, generator, max_len,  # type: ignore[arg-type]
                              head=self.head)
