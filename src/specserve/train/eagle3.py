@@ -2,8 +2,8 @@
 
 Slot s of the drafter holds (feature of token s, embedding of token s+1) and predicts token s+2, exactly as
 `speculative/eagle3/drafter.py` drafts. Step 0 feeds the target's features (fc of the three tapped
-states). Step i feeds, at slot s, the drafter's own step-(i-1) output of slot s-1, so slot s at step i is the i-th draft after
-the committed token c = s - i. Its attention sees what drafting would have in the KV cache:
+states). Step i feeds, at slot s, the drafter's own step-(i-1) output of slot s-1, so slot s at step i is
+the i-th draft after the committed token c = s - i. Its attention sees what drafting would have in the KV cache:
   step-0 keys at positions <= c  (committed pairs)      step-k keys at position c + k, k = 1..i
 The keys of earlier steps are kept in a list (`UnrolledKV`), so every step runs the model's own forward.
 Loss of step i: soft cross-entropy against the target's distribution at position s+1 restricted to the draft
