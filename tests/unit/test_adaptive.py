@@ -10,14 +10,26 @@ from typing import Any
 
 import pytest
 
-import specserve.engine.profile as profile_mod
+import specserve.engine.adaptive.measure as measure_mod
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import MIN_PASSES, OUTLIER, PASS_DECAY, PASS_OUTLIER, AdaptivePolicy, streak_class
+from specserve.engine.adaptive import (
+    MIN_PASSES,
+    OUTLIER,
+    PASS_DECAY,
+    PASS_OUTLIER,
+    AdaptivePolicy,
+    CostProfile,
+    engine_profile,
+    monotone,
+    profile_grid,
+    profile_key,
+    streak_class,
+)
+from specserve.engine.adaptive.costs import robust_update
+from specserve.engine.adaptive.explore import REFRESH_PASSES, TRY_PASSES
 from specserve.engine.batch import BatchEngine
-from specserve.engine.cost_profile import CostProfile, monotone
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
-from specserve.engine.profile import engine_profile, profile_grid, profile_key
 from specserve.types import SamplingParams
 
 # -- CostProfile
@@ -111,6 +123,23 @@ def chain(accepted: int) -> list[int]:
     return list(range(1, accepted + 1))
 
 
+def tries(picks: list[int]) -> list[tuple[int, list[int]]]:
+    """Each run of speculating steps in `picks` with its wait: the steps since the previous run, up to and
+    including the run's first (the policy counts the step that starts a try among the plain ones)."""
+    out: list[tuple[int, list[int]]] = []
+    wait, prev = 0, 0
+    for w in picks:
+        if w > 0 and prev > 0:
+            out[-1][1].append(w)
+        elif w > 0:
+            out.append((wait + 1, [w]))
+            wait = 0
+        else:
+            wait += 1
+        prev = w
+    return out
+
+
 def test_policy_needs_a_width() -> None:
     with pytest.raises(ValueError, match="draft width"):
         AdaptivePolicy(flat(), max_width=0, stepwise=True)
@@ -171,9 +200,13 @@ def test_zero_acceptance_decodes_plainly_but_explores(tree: bool) -> None:
         policy.record_accept(chain(0), 4)
     policy.record_draft(0.01)
     assert policy.expected_tokens(4) == 1.0
-    # a try speculates four steps: the first catches the drafter up (not measured), MIN_PASSES = 3 are measured
-    assert [policy.choose(1) for _ in range(14)] == [0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 4, 4, 4, 4]
-    assert policy.choices == {0: 6, 4: 8}
+    picks = [policy.choose(1) for _ in range(60)]
+    assert picks[0] == 0  # nothing is accepted: plain decoding
+    assert len(tries(picks)) >= 5
+    for wait, run in tries(picks)[:-1]:  # (the last may run past the end)
+        assert wait <= 4  # a try every explore_every steps (cheap here, and never confirmed by measured passes)
+        # of the full width, TRY_PASSES steps: the first catches the drafter up (not measured), MIN_PASSES are
+        assert run == [4] * TRY_PASSES
 
 
 def test_chains_and_trees_are_cut_to_the_best_width() -> None:
@@ -203,10 +236,16 @@ def test_cut_rounds_measure_their_own_nodes_and_the_full_width_is_revisited() ->
     assert 2.8 < policy.expected_tokens(2) < 3.0  # decayed: the 20 older rounds still weigh 0.98^50
     assert policy.expected_tokens(4) == policy.expected_tokens(2)  # nodes 3, 4: measured never accepted
     policy.record_draft(0.0)
-    picks = [policy.choose(1) for _ in range(10)]
-    # w = 2 (2.84 / 2) beats w = 1 (2 / 1.5); every 4th step goes to the full width or plain decoding in turn,
-    # for two steps (the first pass after a switch runs cold: the second is measured)
-    assert picks == [2, 2, 2, 4, 4, 2, 2, 2, 0, 0]
+    picks = [policy.choose(1) for _ in range(40)]
+    assert max(range(5), key=picks.count) == 2  # w = 2 (2.84 / 2) beats w = 1 (2 / 1.5)
+    # one step in explore_every (4) speculating ones goes to the full width or to plain decoding, in turn, for
+    # REFRESH_PASSES steps (the first pass after a switch runs cold: the second is measured)
+    runs = [(settled, list(g)) for settled, g in itertools.groupby(picks, key=lambda w: w == 2)]
+    assert max(len(g) for settled, g in runs if settled) < 4, picks
+    refreshes = [g for settled, g in runs if not settled]
+    assert len(refreshes) >= 40 // (4 + REFRESH_PASSES)
+    assert all(r in ([4] * REFRESH_PASSES, [0] * REFRESH_PASSES) for r in refreshes), picks
+    assert all(a != b for a, b in itertools.pairwise(r[0] for r in refreshes)), picks
 
 
 # -- engine_profile on a tiny engine
@@ -231,13 +270,13 @@ def test_profile_grid() -> None:
 
 def test_engine_profile_measures_once_then_loads(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[str] = []
-    real = profile_mod.measure_profile
+    real = measure_mod.measure_profile
 
     def counting(*args: Any, **kwargs: Any) -> CostProfile:
         measured.append(args[1])  # the key
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profile_mod, "measure_profile", counting)
+    monkeypatch.setattr(measure_mod, "measure_profile", counting)
     path = tmp_path / "profile.json"
     eng = tiny_engine(llm)
     first, at = engine_profile(eng, path, progress=False)
@@ -349,13 +388,15 @@ def test_no_exploration_where_speculation_cannot_win() -> None:
         policy.record_accept(chain(4), 4)
     policy.record_draft(5.0)
     picks = [policy.choose(1) for _ in range(128)]
-    assert [i for i, w in enumerate(picks) if w > 0] == [63, 64, 65, 66]  # one four-step try
+    assert [(wait >= 64, run) for wait, run in tries(picks)] == [(True, [4] * TRY_PASSES)]  # one try, late
     policy = AdaptivePolicy(flat(), max_width=4, stepwise=True, explore_every=4, explore_max=64, explore_cost=0.03)
     for _ in range(20):
         policy.record_accept(chain(4), 4)
     policy.record_draft(5.0)
-    picks = [policy.choose(1) for _ in range(700)]
-    assert [i for i, w in enumerate(picks) if w > 0] == [667, 668, 669, 670]
+    picks = [policy.choose(1) for _ in range(1000)]
+    extra = TRY_PASSES * (policy.costs.speculating_step(1, 4) - policy.costs.plain_step(1))  # a try's extra seconds
+    assert len(tries(picks)) == 1  # still re-measured now and then...
+    assert all(extra <= 0.03 * wait * policy.costs.plain_step(1) for wait, _ in tries(picks))  # ...within budget
 
 
 def test_no_exploration_where_the_model_prices_speculation_far_under_plain() -> None:
@@ -372,9 +413,9 @@ def test_no_exploration_where_the_model_prices_speculation_far_under_plain() -> 
             policy.record_accept(chain(0), 4)
         policy.record_draft(draft)  # with every draft accepted, 5 tokens / 3.01 s would beat plain decoding
         assert policy.rate(1, 4) < 0.8 * policy.rate(1, 0)
-        picks[within, draft] = [i for i in range(70) if policy.choose(1) > 0]
-    assert picks[0.8, 2.0] == [63, 64, 65, 66]
-    assert picks[0.0, 2.0][:4] == picks[0.8, 0.5][:4] == [3, 4, 5, 6]
+        picks[within, draft] = tries([policy.choose(1) for _ in range(70)])
+    assert [wait >= 64 for wait, _ in picks[0.8, 2.0]] == [True]  # one try, after explore_max plain steps
+    assert picks[0.0, 2.0][0][0] <= 4 and picks[0.8, 0.5][0][0] <= 4  # after explore_every
     with pytest.raises(ValueError, match="try_within"):
         AdaptivePolicy(flat(), max_width=4, stepwise=False, try_within=1.5)
 
@@ -412,15 +453,23 @@ def test_exploration_stays_within_its_cost_budget() -> None:
         policy.record_accept(chain(0), 4)  # nothing accepted: the model picks plain decoding
     policy.record_draft(0.0)
     picks = [policy.choose(1) for _ in range(330)]
-    assert [i for i, w in enumerate(picks) if w > 0] == [159, 160, 161, 162, 322, 323, 324, 325]  # four-step tries
-    picks = []
-    for _ in range(800):
+    plain_s = policy.costs.plain_step(1)
+    extra = TRY_PASSES * (policy.costs.speculating_step(1, 4) - plain_s)  # a try's time over plain steps'
+    assert extra == pytest.approx(8 * plain_s)
+    assert len(tries(picks)) == 2 and all(run == [4] * TRY_PASSES for _, run in tries(picks))  # tries come...
+    assert all(extra <= 0.05 * wait * plain_s for wait, _ in tries(picks))  # ...within the budget
+    first = len(tries(picks))
+    for _ in range(900):
         picks.append(policy.choose(1))
         if picks[-1] > 0:  # the engine reports each speculating step's host time; a try's first one catches up
-            policy.record_draft(6.0 if len(picks) < 2 or picks[-2] == 0 else 0.0)
-    # the next try still comes 160 plain steps after the last one (4 of them were above); it pays the catch-up,
-    # and from then on each try is charged 4 x 2 + 6 plain steps' worth: 280 plain steps apart
-    assert [i for i, w in enumerate(picks) if w > 0] == [155, 156, 157, 158, 438, 439, 440, 441, 721, 722, 723, 724]
+            policy.record_draft(6.0 if picks[-2] == 0 else 0.0)
+    # the next try was timed before any catch-up was measured; from then on each try is charged its catch-up
+    # (6 plain steps' worth) too, and waits longer
+    assert policy.costs.catch_up_extra(1, 4) == pytest.approx(6 * plain_s)
+    waits = [wait for wait, _ in tries(picks)]
+    later = waits[first + 1:]
+    assert len(later) >= 2 and min(later) > max(waits[:first + 1])
+    assert all(extra + 6 * plain_s <= 0.05 * wait * plain_s for wait in later)
     with pytest.raises(ValueError, match="explore_cost"):
         AdaptivePolicy(flat(), max_width=4, stepwise=False, explore_cost=0.0)
 
@@ -501,9 +550,9 @@ def test_leaving_plain_decoding_must_repay_the_catch_up(catch_up_s: float, back:
     policy.record_draft(0.0)
     assert policy.choose(1) == 4  # the first step catches up: its host time is the catch-up's
     policy.record_draft(catch_up_s)
-    picks = [policy.choose(1) for _ in range(3)]
-    assert picks[:2] == [0, 0]  # every second speculating step is a refresh, here plain decoding (two steps)
-    assert (picks[2] == 4) is back, picks
+    picks = [policy.choose(1) for _ in range(10)]
+    assert picks[:REFRESH_PASSES] == [0] * REFRESH_PASSES  # every second speculating step refreshes plain decoding
+    assert (4 in picks) is back, picks
 
 
 def test_plain_passes_right_after_speculation_are_not_measured() -> None:
@@ -546,7 +595,9 @@ def test_speculation_is_compared_with_plain_decoding_measured_as_recently() -> N
         picks.append(w)
         measure(policy, 2, w, 700.0 if w else 800.0)
     switch = next(i for i in range(len(picks)) if picks[i: i + 6] == [0] * 6)
-    assert picks[:7] == [4] * 7 and switch < 40, picks  # speculation until a few refreshes...
+    refreshes = sum(1 for i in range(1, switch) if picks[i] == 0 and picks[i - 1] > 0)
+    assert picks[0] == 4 and refreshes >= 1, picks  # speculation (measured faster) outlives the first refresh...
+    assert switch < 5 * 8, picks  # ...but not a few: plain decoding measured as recently takes over
     assert picks[40:].count(0) > 0.9 * 160, picks  # ...then plain decoding, speculation tried now and then
 
 
@@ -648,15 +699,13 @@ def test_a_bucket_measured_once_is_bounded_by_a_smaller_well_measured_one() -> N
 
 
 def test_robust_update_keeps_the_fastest_first_samples_then_caps_outliers() -> None:
-    from specserve.engine.adaptive import _robust_update
-
     est = None
     for sample in (0.030, 0.010, 0.012):  # catch-up steps: the first compiled kernels
-        est = _robust_update(est, sample, 0.5)
+        est = robust_update(est, sample, 0.5)
     assert est == (0.010, MIN_PASSES)
-    assert _robust_update(est, 0.5, 0.5) == (pytest.approx(0.5 * 0.010 + 0.5 * OUTLIER * 0.010), MIN_PASSES + 1)
-    assert _robust_update(est, 0.004, 0.5) == (pytest.approx(0.007), MIN_PASSES + 1)
-    assert _robust_update((0.0, MIN_PASSES), 0.02, 0.5) == (pytest.approx(0.01), MIN_PASSES + 1)  # not stuck at 0
+    assert robust_update(est, 0.5, 0.5) == (pytest.approx(0.5 * 0.010 + 0.5 * OUTLIER * 0.010), MIN_PASSES + 1)
+    assert robust_update(est, 0.004, 0.5) == (pytest.approx(0.007), MIN_PASSES + 1)
+    assert robust_update((0.0, MIN_PASSES), 0.02, 0.5) == (pytest.approx(0.01), MIN_PASSES + 1)  # not stuck at 0
 
 
 def test_acceptance_is_kept_per_request_class() -> None:

@@ -1,10 +1,9 @@
-"""The adaptive-speculation cost profile of one engine: measured once, saved, reused.
+"""The cost profile of one engine: measured once, saved, reused.
 
-The profile times real target forwards through the engine's own runner (paged KV, padded batches) for
-batch sizes 1..max_num_seqs and verify widths 1..max drafts + 1, at a fixed context length. It is keyed
-by everything that changes those times (model config, device, dtype, weight layout, torch version, threads,
-block size, widths); a saved profile with another key is measured again and overwritten.
-"""
+The profile times real target forwards through the engine's own runner (paged KV, padded batches) for batch
+sizes 1..max_num_seqs and verify widths 1..max drafts + 1, at a fixed context length. It is keyed by everything
+that changes those times (model config, device, dtype, weight layout, torch version, threads, block size,
+widths); a saved profile with another key is measured again and overwritten."""
 
 from __future__ import annotations
 
@@ -12,19 +11,65 @@ import hashlib
 import json
 import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from specserve.engine.batch import BatchEngine
-from specserve.engine.cost_profile import CostProfile, measure_profile
-from specserve.engine.runner import Row
+from specserve.engine.adaptive.costs import CostProfile, monotone
+from specserve.engine.engine_config import EngineConfig
+from specserve.engine.runner import ModelRunner, Row
+from specserve.kv.block_pool import BlockPool
+from specserve.kv.paged import PagedKVCache
+from specserve.models.llama import CausalLM
+
+
+class ProfiledEngine(Protocol):
+    """What the measurement reads of a `BatchEngine` (which imports this package: no import of it here)."""
+
+    model: CausalLM
+    config: EngineConfig
+    max_draft: int
+    capture: tuple[int, ...]
+    runner: ModelRunner
+    pool: BlockPool
+    kv: PagedKVCache
+
+    @property
+    def has_unfinished(self) -> bool: ...
 
 log = logging.getLogger("specserve.engine")
 
 PROFILE_CONTEXT = 128  # context tokens per row while timing
+
+
+def measure_profile(
+    forward: Callable[[int, int], None], key: str, batch_sizes: list[int], widths: list[int], repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> CostProfile:
+    """forward(batch, q) runs one target forward of that shape; the fastest of `repeats` after a warm-up, the
+    grid then made `monotone`."""
+    grid: list[list[float]] = []
+    total, done = len(batch_sizes) * len(widths), 0
+    for b in batch_sizes:
+        row: list[float] = []
+        for q in widths:
+            forward(b, q)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                forward(b, q)
+                times.append(time.perf_counter() - t0)
+            row.append(min(times))  # noise (other processes, page faults) only ever adds time
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        grid.append(row)
+    return CostProfile(key, tuple(batch_sizes), tuple(widths), monotone(grid))
 
 
 def profile_grid(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
@@ -34,7 +79,7 @@ def profile_grid(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
     return batches, widths
 
 
-def profile_key(engine: BatchEngine) -> str:
+def profile_key(engine: ProfiledEngine) -> str:
     cfg = engine.model.config
     w = engine.model.lm_head.weight
     proj = next((m for m in engine.model.modules() if isinstance(m, nn.Linear) and m is not engine.model.lm_head),
@@ -57,7 +102,7 @@ def default_profile_path(key: str) -> Path:
     return root / "specserve" / "adaptive" / f"{key}.json"
 
 
-def engine_profile(engine: BatchEngine, path: Path | None = None, progress: bool = True) -> tuple[CostProfile, Path]:
+def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: bool = True) -> tuple[CostProfile, Path]:
     """Load the saved profile at `path` (default: per key under ~/.cache/specserve) or measure and save it.
 
     Call before the engine serves: timing writes scratch K/V into free blocks of the pool.
