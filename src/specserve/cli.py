@@ -27,30 +27,33 @@ def _generate(a: argparse.Namespace) -> int:
 
     params = sampling_from_args(a)  # validate flags before loading anything
     spec = speculative_from_args(a)
+    if a.speculative_adaptive and not spec.enabled:
+        raise SystemExit("--speculative-adaptive needs --speculative-algorithm other than NONE")
     llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec,
-              draft_dtype=a.speculative_draft_dtype)
-    prompt = a.prompt
-    if a.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
-    [res] = llm.generate([prompt], params)
-    if a.json:
-        out = {
-            "text": res.text, "token_ids": res.token_ids, "num_tokens": res.num_tokens,
-            "prompt_tokens": res.prompt_tokens, "finish_reason": res.finish_reason,
-            "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
-            "speculative_algorithm": spec.algorithm,
-        }
-        if spec.enabled:
-            out.update({
-                "accept_length": round(res.accept_length, 4), "num_verify_steps": res.num_verify_steps,
-                "accept_per_position": [round(x, 4) for x in res.accept_per_position],
-                "draft_s": round(res.draft_s, 4), "verify_s": round(res.verify_s, 4),
-            })
-        print(json.dumps(out))
-    else:
-        print(a.prompt + res.text if not a.chat else res.text)
-        print(f"[{res.num_tokens} tokens, {res.tokens_per_s:.1f} tok/s"
-              + (f", accept length {res.accept_length:.2f}" if spec.enabled else "") + "]", file=sys.stderr)
+              draft_dtype=a.speculative_draft_dtype, adaptive=a.speculative_adaptive,
+              adaptive_profile=a.speculative_adaptive_profile)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if a.chat else p
+               for p in a.prompt]
+    results = llm.generate(prompts, params)  # one continuous batch
+    for text, res in zip(a.prompt, results, strict=True):
+        if a.json:
+            out = {
+                "text": res.text, "token_ids": res.token_ids, "num_tokens": res.num_tokens,
+                "prompt_tokens": res.prompt_tokens, "finish_reason": res.finish_reason,
+                "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
+                "speculative_algorithm": spec.algorithm,
+            }
+            if spec.enabled:
+                out.update({
+                    "accept_length": round(res.accept_length, 4), "num_verify_steps": res.num_verify_steps,
+                    "accept_per_position": [round(x, 4) for x in res.accept_per_position],
+                    "draft_s": round(res.draft_s, 4), "verify_s": round(res.verify_s, 4),
+                })
+            print(json.dumps(out))
+        else:
+            print(text + res.text if not a.chat else res.text)
+            print(f"[{res.num_tokens} tokens, {res.tokens_per_s:.1f} tok/s"
+                  + (f", accept length {res.accept_length:.2f}" if spec.enabled else "") + "]", file=sys.stderr)
     return 0
 
 
@@ -74,11 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text offline (plain or speculative)")
     add_model_args(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, action="append",
+                   help="repeatable: several prompts decode as one continuous batch (one output each, in order)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_args(g)
     add_speculative_args(g)
+    g.add_argument("--speculative-adaptive", action="store_true",
+                   help="pick each step's draft width (or none) from a cost profile measured once per machine, as "
+                        "`serve` does by default; without it every step drafts the configured width")
+    g.add_argument("--speculative-adaptive-profile", default=None, metavar="PATH",
+                   help="the cost profile to reuse (default: the per-machine one, measured when missing)")
     g.set_defaults(func=_generate)
 
     t = sub.add_parser("train-target", help="train the bundled demo target (tokenizer + Qwen3 model)")

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from specserve.bench.cli import main
-from specserve.bench.compare import load_runs, render_report
+from specserve.bench.compare import render_report
+from specserve.bench.runs import load_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

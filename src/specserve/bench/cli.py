@@ -1,60 +1,26 @@
-"""`specserve bench serving` and `specserve bench compare`.
+"""`specserve bench serving`, `specserve bench compare` and `specserve bench tune`.
 
 The main CLI wires these in with `add_bench_parsers(bench_subparsers)`; every parser sets
 `func`, a handler taking the parsed namespace and returning the exit code.
 
-Exit codes of `bench serving`: 0 when the sweep finished and every level had at least one
-successful request (failed requests are counted in the JSON, not fatal); 1 when the sweep
-finished but some level had no successful request at all (the JSON is still written);
-2 for unusable input (bad flags, a dataset without a usable line, an unwritable --out).
-`bench compare`: 0 on success, 2 when an input cannot be read or recognised.
+Exit codes of `bench serving`: see serving_cli.py. `bench compare`: 0 on success, 2 when an input
+cannot be read or recognised. `bench tune`: see tune.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
-
-
-def _concurrency_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
-    return values
+from specserve.bench.serving_cli import add_serving_parser, cmd_serving, concurrency_list
+from specserve.bench.tune import cmd_tune
 
 
 def add_bench_parsers(subparsers: Any) -> None:
     """Adds `serving`, `compare` and `tune` to the `specserve bench` subparsers (an argparse _SubParsersAction)."""
-    s = subparsers.add_parser("serving", help="concurrency sweep against an OpenAI-compatible server")
-    s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000 (a trailing /v1 is accepted)")
-    s.add_argument("--model", required=True, help="model name the server serves (see GET /v1/models)")
-    s.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16], help="levels, e.g. 1,4,16,30,64")
-    s.add_argument("--num-prompts", type=int, default=64, help="requests sent at every level")
-    s.add_argument("--dataset", default="coding", help="coding | random | FILE.jsonl")
-    s.add_argument("--random-input-len", type=int, default=128, help="words per prompt of --dataset random")
-    s.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None, help="shuffles the dataset and is sent as the sampling seed")
-    s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    s.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens, if accepted")
-    s.add_argument("--continuous-usage", action="store_true",
-                   help="ask for usage in every chunk (exact tokens per chunk for ITL on vLLM-like servers)")
-    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds without progress before failing")
-    s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
-    s.add_argument("--no-progress", action="store_true", help="no progress bars")
-    s.add_argument("--out", required=True, type=Path, help="run JSON to write")
-    s.set_defaults(func=cmd_serving)
+    add_serving_parser(subparsers)
 
     c = subparsers.add_parser("compare", help="markdown tables and a plot from serving/acceptance run JSONs")
     c.add_argument("runs", nargs="+", type=Path, help="run JSONs; the first is the baseline")
@@ -63,8 +29,6 @@ def add_bench_parsers(subparsers: Any) -> None:
     c.add_argument("--plot", type=Path, default=None, help="PNG to write")
     c.set_defaults(func=cmd_compare)
 
-    from specserve.bench.tune import cmd_tune  # here, not at the top: tune imports this module
-
     t = subparsers.add_parser("tune", help="serve each grid configuration, sweep it, name the winner per concurrency")
     t.add_argument("--model", default="demo", help="`demo` or a checkpoint directory (served and benchmarked)")
     t.add_argument("--device", default="auto", help="the servers' --device")
@@ -72,7 +36,7 @@ def add_bench_parsers(subparsers: Any) -> None:
     t.add_argument("--grid", required=True,
                    help='e.g. "EAGLE3:steps=3,5;topk=1,4;draft=4,8 DFLASH:tree=ddtree;draft=8,16 NGRAM:draft=8,12 '
                         'NONE"; keys steps, topk, draft, block, tree, path; NONE is always the baseline')
-    t.add_argument("--concurrency", type=_concurrency_list, default=[1, 8, 32], help="levels, e.g. 1,8,32")
+    t.add_argument("--concurrency", type=concurrency_list, default=[1, 8, 32], help="levels, e.g. 1,8,32")
     t.add_argument("--num-prompts", type=int, default=64, help="requests sent at every level")
     t.add_argument("--dataset", default="coding", help="coding | random | FILE.jsonl")
     t.add_argument("--random-input-len", type=int, default=128, help="words per prompt of --dataset random")
@@ -86,99 +50,23 @@ def add_bench_parsers(subparsers: Any) -> None:
     t.set_defaults(func=cmd_tune)
 
 
-def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _level_line(level: dict[str, Any]) -> str:
-    def p50(key: str) -> float | None:
-        stats = level[key]
-        return stats["p50"] if stats else None
-
-    return (f"concurrency {level['concurrency']}: {level['completed']}/{level['num_requests']} ok, "
-            f"{_fmt(level['request_throughput'], '.2f')} req/s, {_fmt(level['output_throughput'])} out tok/s, "
-            f"TTFT p50 {_fmt(p50('ttft_ms'))} ms, TPOT p50 {_fmt(p50('tpot_ms'))} ms, "
-            f"ITL p50 {_fmt(p50('itl_ms'))} ms, accept length {_fmt(level['accept_length'], '.2f')}")
-
-
-def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from specserve.bench.datasets import load_dataset, sample_prompts
-    from specserve.bench.serving import ServingConfig, run_sweep
-
-    try:
-        cfg = ServingConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
-                            output_len=args.output_len, temperature=args.temperature, seed=args.seed,
-                            api_key=args.api_key, ignore_eos=args.ignore_eos, continuous_usage=args.continuous_usage,
-                            request_timeout_s=args.request_timeout)
-        seed = 0 if args.seed is None else args.seed
-        dataset = load_dataset(args.dataset, args.num_prompts, seed, args.random_input_len)
-        prompts = sample_prompts(dataset, args.num_prompts, seed)
-    except ValueError as e:  # DatasetError included
-        return _error(str(e))
-    try:  # find an unusable --out before the sweep, not after it
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.touch()
-    except OSError as e:
-        return _error(f"--out {args.out}: cannot write ({e.strerror})")
-    for problem in dataset.errors:
-        print(f"warning: skipped dataset line {problem}", file=sys.stderr)
-    started = datetime.now(timezone.utc).isoformat()
-    result = asyncio.run(run_sweep(cfg, prompts, args.concurrency, warmup=not args.no_warmup,
-                                   progress=not args.no_progress))
-    run = {
-        "kind": "serving",
-        "schema_version": SCHEMA_VERSION,
-        "command_line": argv if argv is not None else list(sys.argv),
-        "started_at": started,
-        "finished_at": datetime.now(timezone.utc).isoformat(),
-        "config": {
-            "base_url": cfg.base_url, "model": cfg.model, "endpoint": cfg.endpoint, "concurrency": args.concurrency,
-            "num_prompts": args.num_prompts, "output_len": cfg.output_len, "temperature": cfg.temperature,
-            "seed": args.seed, "ignore_eos": cfg.ignore_eos, "continuous_usage": cfg.continuous_usage,
-            "request_timeout_s": cfg.request_timeout_s,
-        },
-        "dataset": {"name": dataset.name, "prompts_available": len(dataset.prompts),
-                    "skipped_lines": len(dataset.errors), "errors": list(dataset.errors)},
-        **result,
-    }
-    try:
-        args.out.write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
-    except OSError as e:
-        return _error(f"--out {args.out}: cannot write ({e.strerror})")
-    if result["warmup"] and result["warmup"]["note"]:
-        print(f"warning: {result['warmup']['note']}", file=sys.stderr)
-    for level in result["levels"]:
-        print(_level_line(level))
-        for message in level["error_messages"]:
-            print(f"  error: {message}", file=sys.stderr)
-    print(f"wrote {args.out}")
-    dead = [lv["concurrency"] for lv in result["levels"] if lv["completed"] == 0]
-    if dead:
-        print(f"error: no request succeeded at concurrency {', '.join(map(str, dead))}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
-    from specserve.bench.compare import load_runs, write_report
+    from specserve.bench.compare import write_report
+    from specserve.bench.runs import load_runs
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
     try:
         runs = load_runs(args.runs, labels)
         write_report(runs, args.out, args.plot)
     except (ValueError, OSError) as e:
-        return _error(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m specserve.bench.cli serving|compare ...` (the same as `specserve bench ...`)."""
+    """`python -m specserve.bench.cli serving|compare|tune ...` (the same as `specserve bench ...`)."""
     parser = argparse.ArgumentParser(prog="specserve bench")
     add_bench_parsers(parser.add_subparsers(dest="bench_command", required=True))
     args = parser.parse_args(argv)

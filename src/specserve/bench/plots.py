@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:
-    from specserve.bench.compare import Run
+from specserve.bench.runs import Run
 
 
 def _num(value: Any) -> float | None:

@@ -39,8 +39,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from specserve.bench.cli import add_bench_parsers, cmd_serving
-from specserve.bench.compare import Run, serving_section
+from specserve.bench.compare import serving_section
+from specserve.bench.runs import Run
+from specserve.bench.serving_cli import add_serving_parser, cmd_serving
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import ALGORITHMS, TREES, SpeculativeConfig
 
@@ -240,7 +241,7 @@ def render_markdown(report: dict[str, Any], runs: list[Run]) -> str:
 
 def _serving_namespace(tokens: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specserve bench")
-    add_bench_parsers(parser.add_subparsers(dest="bench_command", required=True))
+    add_serving_parser(parser.add_subparsers(dest="bench_command", required=True))
     return parser.parse_args(["serving", *tokens])
 
 

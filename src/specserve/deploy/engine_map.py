@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specserve.deploy.engine_args import ArgsBuilder, Mapped, Unmapped
 from specserve.deploy.known_flags import EngineFlags, check_command
 from specserve.deploy.spec_map import adaptive, sglang_spec, vllm_spec
 from specserve.server.serve_config import ServeConfig
@@ -21,44 +22,12 @@ TOOL_PARSERS = {"sglang": {"hermes": "hermes", "qwen25": "qwen25", "qwen3": "qwe
 
 
 @dataclass(frozen=True)
-class Mapped:
-    flag: str  # the specserve flag (or export option)
-    value: str
-    engine_args: tuple[str, ...]
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Unmapped:
-    flag: str
-    value: str
-    reason: str
-
-
-@dataclass(frozen=True)
 class EngineCommand:
     engine: str
     argv: tuple[str, ...]  # launcher words + arguments; the API key appears as API_KEY_REF
     mapped: tuple[Mapped, ...]
     unmapped: tuple[Unmapped, ...]
     env: tuple[tuple[str, str], ...]  # extra environment for the unit's EnvironmentFile
-
-
-class ArgsBuilder:
-    """The engine arguments of an export as they are decided, with what each specserve flag became."""
-
-    def __init__(self) -> None:
-        self.args: list[str] = []
-        self.mapped: list[Mapped] = []
-        self.unmapped: list[Unmapped] = []
-        self.env: list[tuple[str, str]] = []
-
-    def map(self, flag: str, value: object, *args: str, note: str = "") -> None:
-        self.args += args
-        self.mapped.append(Mapped(flag, str(value), tuple(args), note))
-
-    def skip(self, flag: str, value: object, reason: str) -> None:
-        self.unmapped.append(Unmapped(flag, str(value), reason))
 
 
 def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter_path: str | None, tp: int = 1,

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specserve.bench.compare import detect_kind
+from specserve.bench.runs import detect_kind
 from specserve.config import SpeculativeConfig
 
 

@@ -4,12 +4,9 @@ widths as each engine's flags, and what becomes of adaptive speculation there.""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
+from specserve.deploy.engine_args import ArgsBuilder
 from specserve.server.serve_config import ServeConfig
-
-if TYPE_CHECKING:
-    from specserve.deploy.engine_map import ArgsBuilder
 
 
 def adaptive(b: ArgsBuilder, cfg: ServeConfig, sglang: bool) -> None:

@@ -15,9 +15,10 @@ import math
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from specserve.server.serve_config import add_serve_arguments, mark_defaults, serve_config_from_args
+from specserve.server.serve_config import ServeConfig, add_serve_arguments, mark_defaults, serve_config_from_args
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -26,29 +27,40 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="serve an OpenAI-compatible HTTP API (plain or speculative decoding)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_serve_arguments(p)
-    mark_defaults(p)
-    p.set_defaults(func=run_server)
+    _add_flags(p)
     return p
 
 
-def run_server(args: argparse.Namespace) -> int:
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    add_serve_arguments(p)
+    mark_defaults(p)
+    p.set_defaults(func=serve_from_args)
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """The `func` of `specserve serve`: defaults < --config file < flags, then `run_server`."""
+    return run_server(serve_config_from_args(args))
+
+
+def run_server(cfg: ServeConfig) -> int:
+    """Load the model of `cfg` and serve it until SIGTERM/Ctrl-C; 0 after a graceful shutdown, 1 if never up."""
     import uvicorn
 
     from specserve.engine.batch import BatchEngine
     from specserve.engine.llm import LLM
     from specserve.server.app import create_app
-    from specserve.server.batch_serving import BatchServingEngine, build_batch_engine
+    from specserve.server.batch_serving import BatchServingEngine
     from specserve.server.threads import run_in_passing_thread
 
-    cfg = serve_config_from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def load() -> tuple[LLM, BatchEngine]:
         llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative,
                   draft_dtype=cfg.draft_dtype)
-        return llm, build_batch_engine(llm, cfg.engine, cfg.speculative_adaptive, cfg.speculative_adaptive_profile,
-                                       cfg.speculative_adaptive_trace)
+        profile, trace = cfg.speculative_adaptive_profile, cfg.speculative_adaptive_trace
+        return llm, llm.make_engine(cfg.engine, adaptive=cfg.speculative_adaptive,
+                                    profile_path=Path(profile) if profile else None,
+                                    trace_path=Path(trace) if trace else None)
 
     # not on the main thread, which would keep an idle OpenMP team beside the engine thread's (threads.py)
     llm, engine = run_in_passing_thread(load)
@@ -68,10 +80,19 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m specserve.server.cli ARGS` = `specserve serve ARGS` (same parser, same error handling)."""
-    from specserve.cli import main as specserve_main
-
-    return specserve_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    """`python -m specserve.server.cli ARGS` = `specserve serve ARGS`: the same flags, messages and exit codes
+    (a parser of its own, so that the server does not import the `specserve` command above it)."""
+    parser = argparse.ArgumentParser(prog="specserve serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_flags(parser)
+    a = parser.parse_args(argv)
+    try:
+        return int(a.func(a))
+    except (ValueError, OSError) as e:
+        print(f"specserve serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
