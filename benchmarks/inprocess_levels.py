@@ -3,34 +3,22 @@
     python benchmarks/inprocess_levels.py --model demo --config NGRAM --modes fixed,adaptive \
         --concurrency 1,4 --num-prompts 32 --output-len 64 --rounds 3
 
-`serving_concurrency.py` runs a server per configuration, one after the other, so the machine's drift (±20-35%
-between minutes on a 2-core CPU) lands on one configuration and not the other; a policy change worth 5% is lost
-in it. Here every engine (plain, and each --config fixed and/or adaptive, as `specserve serve` builds them) lives
-in one process and the levels run interleaved: in each round, each level runs on every engine in turn. A level
-keeps `c` requests in flight (a finished one is replaced at once, as the served benchmark's clients do) until
-max(--num-prompts, 2c) requests of the coding prompts (shuffled with seed 0, cycled) have produced --output-len
-tokens each (ignore_eos). No HTTP, no tokenization: what is left is the engine's own work, prefills included.
-Adaptive engines keep their policy's state across levels and rounds, as a server does. The engines' order
-rotates from round to round and is reversed every other round (an engine runs with the caches the one before
-it left: with the order only rotated, in --lockstep runs the same engine always followed the plain one, and two
-engines of one configuration and policy differed by 1.5%, 0.985x at c=1 and 0.987x at c=4, in an A/A run).
+Every engine (plain, and each --config fixed and/or adaptive, as `specserve serve` builds them) lives in one
+process and the levels run interleaved: in each round, each level runs on every engine in turn (the order rotates
+from round to round and is reversed every other round). A level keeps `c` requests in flight (a finished one is
+replaced at once) until max(--num-prompts, 2c) requests of the coding prompts (shuffled with seed 0, cycled) have
+produced --output-len tokens each (ignore_eos). No HTTP, no tokenization: what is left is the engine's own work,
+prefills included. Adaptive engines keep their policy's state across levels and rounds, as a server does.
 
-The machine's speed drifts by ±20% from one second to the next (the same plain level took 1.35-2.06 s in ten
-runs in a row, with no CPU stolen: `time.process_time` tracked the wall clock), so levels that run one after
-the other differ by that much. With --lockstep the engines run each level at once instead, one engine step of
-each in turn, each timed over its own steps: every engine sees the machine at the same speed, at the price of
-caches that the other engines' steps refill between two of its own (as a server's other work would).
+--lockstep runs each level on every engine at once, one engine step of each in turn, each timed over its own
+steps: every engine sees the machine at the same speed, at the price of caches the other engines' steps refill.
+--against-policy FILE (a copy of the adaptive policy module from another commit) gives every adaptive engine a
+twin whose policy is that file's `AdaptivePolicy` (`CONFIG adaptive @against`, `ratio_to_against`: the median of
+the per-round ratios). --keep-logs DIR keeps the engines' pass logs.
 
-With --against-policy FILE (a copy of `engine/adaptive.py` from another commit, e.g. `git show
-HEAD~3:src/specserve/engine/adaptive.py > /tmp/old_adaptive.py`) every adaptive engine gets a twin whose policy
-is that file's `AdaptivePolicy` (same profile, width and drafter; `CONFIG adaptive @against`): a policy change
-measured against what it replaces in one process, level by level (`ratio_to_against`: the median of the
-per-round ratios).
-
-Prints ONE JSON object: per engine and level the output tok/s of every round, their median, and the median
-over rounds of the per-round ratio to plain decoding; the share of decode steps that speculated; and per draft
-width (0 = plain) the decode passes at the level's full batch and their median milliseconds (from each engine's
-pass log): what a width costs in an engine that keeps to it against one that switches.
+Prints ONE JSON object: per engine and level the output tok/s of every round, their median, and the median over
+rounds of the per-round ratio to plain decoding; the share of decode steps that speculated; and per draft width
+(0 = plain) the decode passes at the level's full batch and their median milliseconds.
 """
 
 from __future__ import annotations
@@ -51,7 +39,6 @@ from specserve.engine.batch import BatchEngine
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.pass_log import PassLog, read_pass_log
-from specserve.server.batch_serving import build_batch_engine
 from specserve.types import SamplingParams
 
 
@@ -192,7 +179,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--against-policy", type=Path, default=None,
-                    help="another version of engine/adaptive.py: each adaptive engine gets a twin with its policy")
+                    help="another version of engine/adaptive/policy.py: each adaptive engine gets a twin with "
+                         "its policy")
     ap.add_argument("--lockstep", action="store_true",
                     help="run each level on all engines at once, one step of each in turn (see the docstring)")
     ap.add_argument("--keep-logs", type=Path, default=None,
@@ -208,13 +196,13 @@ def main() -> None:
     dataset = load_dataset("coding", a.num_prompts, 0)
     encoded = {c: [base.encode(p.text) for p in sample_prompts(dataset, max(a.num_prompts, 2 * c), 0)]
                for c in levels}
-    engines = {"NONE": build_batch_engine(base, EngineConfig(), adaptive=False)}
+    engines = {"NONE": base.make_engine(EngineConfig(), plain=True)}
     for cfg in a.config:
         llm = LLM(a.model, speculative=parse_config(cfg, a.model))
         for mode in modes:
-            eng = engines[f"{cfg} {mode}"] = build_batch_engine(llm, EngineConfig(), adaptive=mode == "adaptive")
+            eng = engines[f"{cfg} {mode}"] = llm.make_engine(EngineConfig(), adaptive=mode == "adaptive")
             if a.against_policy is not None and eng.policy is not None:
-                twin = engines[f"{cfg} {mode} @against"] = build_batch_engine(llm, EngineConfig(), adaptive=True)
+                twin = engines[f"{cfg} {mode} @against"] = llm.make_engine(EngineConfig(), adaptive=True)
                 assert llm.drafter_builder is not None
                 twin.policy = load_policy_class(a.against_policy)(
                     eng.policy.profile, eng.max_draft, stepwise=llm.drafter_builder.stepwise)

@@ -1,32 +1,23 @@
 """Per level of a served run, speculating passes against plain passes of the same level, from a server's
-`--speculative-adaptive-trace` log (`benchmarks/serving_concurrency.py` keeps one per adaptive server).
+`--speculative-adaptive-trace` log (`benchmarks/serving_concurrency.py --out` keeps one per server).
 
-    python benchmarks/pass_log_summary.py runs/serving/s12_t0.logs/03-DFLASH-adaptive.passes.jsonl
+    python benchmarks/pass_log_summary.py runs/serving/RUN.logs/*.passes.jsonl
 
 A served benchmark runs each level on each server in turn, so a server's log is a series of busy stretches
 separated by idle ones: each stretch (split where no pass came for --gap seconds) is one level (or a warm-up).
-Within a stretch the machine's state is about the same for both kinds of pass, unlike two servers' levels that
-ran minutes apart; so this says whether the policy's choices paid at the time they were made. Only passes with
-at least 3/4 of the stretch's peak batch count (ramp-up and tail left out); catch-up passes are left out of the
-speculating ones (a joining request's drafter taking in its prompt).
+Within a stretch the machine's state is about the same for both kinds of pass, so this says whether the policy's
+choices paid at the time they were made. Only passes with at least 3/4 of the stretch's peak batch count;
+catch-up passes (a joining request's drafter taking in its prompt) are left out of the speculating ones.
 
 Prints ONE JSON object: per log, per stretch its peak batch, passes, share speculating, tok/s of speculating and
-of plain passes, and their ratio (null where one kind is missing); and where the stretch's wall time went (all
-passes, ramp-up and tail included): decode passes, prefill passes (of which drafters taking in prompts), and
-the rest (`outside_s`: the server's own work and waits between engine steps). Give the plain server's log too
-(every server of `serving_concurrency.py --out` keeps one) to compare the two stretch by stretch.
+of plain passes and their ratio (null where one kind is missing); and where the stretch's wall time went: decode
+passes, prefill passes (of which drafters taking in prompts), and the rest (`outside_s`). Give the plain server's
+log too to compare the two stretch by stretch.
 
-With --after-speculation B, per log also the plain passes of at least B requests by how many plain passes came
-since the last speculating one, each position's median seconds per request over that of passes 9+ after
-(`runs/serving/s20d_fp32_t0.logs/02-EAGLE3-adaptive.passes.jsonl`, B = 12: 1.09 / 1.22 / 1.08 / 1.15 for the
-first four, NGRAM's 1.22 / 1.11 / 0.97 / 1.11; DFLASH's 0.88-1.01): the plain pass a refresh measures (the second)
-runs slower than plain decoding that stays plain.
-
-With --widths-at B, per log also the decode passes of exactly B requests by draft width and the ceiling: the
-speculating passes' tok/s over the plain passes'. Where a server speculates in nearly every pass that bounds what
-the level can gain (`runs/serving/s23a_t0.logs/*`, B = 1: EAGLE3 1.93x — a 5-draft pass took 15.8 ms for 4.7
-tokens against a plain pass's 6.7 ms —, DFLASH 2.23x, 17.5 ms for 5.8 tokens); where it picks its moments (NGRAM,
-2.60x) it does not: the plain passes are the ones it judged unpromising.
+--after-speculation B: per log also the plain passes of at least B requests by how many plain passes came since
+the last speculating one, each position's median seconds per request over that of passes 9+ after.
+--widths-at B: per log also the decode passes of exactly B requests by draft width, and the ceiling (speculating
+passes' tok/s over plain passes'), a bound on what a level that speculates in nearly every pass can gain.
 """
 
 from __future__ import annotations

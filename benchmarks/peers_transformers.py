@@ -35,7 +35,6 @@ from specserve.bench.suites import load_suite
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 
@@ -49,8 +48,7 @@ def specserve_methods(llm: LLM, specs: dict[str, SpeculativeConfig]) -> dict[str
 
     def speculative(builder: DrafterBuilder) -> Decode:
         def run(ids: list[int], n: int) -> tuple[list[int], list[int]]:
-            res = generate_speculative(llm.model, builder.for_request, ids, SamplingParams(max_new_tokens=n,
-                                       ignore_eos=True), llm.eos_ids, builder.max_tree_nodes, llm.tokenizer.decode)
+            [res] = llm.generate_with(builder, [ids], SamplingParams(max_new_tokens=n, ignore_eos=True))
             return res.token_ids, res.accept_lengths
         return run
 

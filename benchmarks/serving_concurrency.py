@@ -3,49 +3,20 @@
     python benchmarks/serving_concurrency.py --model demo --config NGRAM --config "DFLASH draft=16" \\
         --concurrency 1,4,16,32 --out runs/serving_concurrency.json
 
-Every configuration gets a `specserve serve` subprocess on 127.0.0.1 (a free port; its log beside --out,
-else in a temporary folder), started one after the other and all kept up (idle servers sleep), then the
-`specserve bench serving` client (its Python API) measures, and every server gets SIGTERM (also on errors
-and Ctrl-C). Configurations:
-  NONE                      plain decoding (`--speculative-algorithm NONE`), the baseline;
-  CONFIG fixed              each --config with `--no-speculative-adaptive` (every step verifies the full width);
-  CONFIG adaptive           each --config with adaptive speculation (the server's default; the server
-                            measures its cost profile at start-up when none is cached for the machine).
-A --config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree (benchmarks/speculative.py's
-syntax and parser; the resolved configuration is passed to the server flag by flag).
-After an untimed warm-up of each server (one short request, then each of the 20 built-in `coding` prompts
-once, which also puts them in the prefix cache for every level alike), --rounds rounds: in each, every level
-runs on every server in turn (the servers' order rotates from round to round), so a slow drift of this
-machine's speed hits every configuration alike. A level sends max(--num-prompts, --requests-per-slot x
-concurrency) streamed requests of those prompts (shuffled with seed 0, cycled), --output-len tokens each
-(ignore_eos, so every configuration generates the same number of tokens), at --temperature (sampled requests
-carry seed 0). A level ends with a drain: the last requests finish in a shrinking batch. Plain decoding keeps
-a wave of requests in step, so its drain is short; speculation finishes each request when its acceptance
-allows, so its drain is as long as the requests' spread and runs at small batches: with 2 requests per slot at
-concurrency 16 (the default before session 22), DFLASH adaptive spent 30% of its decode time in passes of
-under 12 requests against NONE's 4%, and measured 0.94x NONE while its full-batch passes ran 1.09x NONE's
-(`runs/serving/s22a_c16_t0.json`). A serving benchmark measures the steady state (SGLang's bench_serving sends
-hundreds of requests per run), so the default is 8 requests per slot.
-A level's tok/s is the median over the rounds, its ratio to NONE the median of the per-round ratios (each
-against the NONE level of the same round); the rounds' own figures are kept beside them.
-With --against-src DIR every speculative configuration also runs a second time from another source tree
-(`CONFIG adaptive @against`: the server's PYTHONPATH is DIR, e.g. the `src` of a `git worktree` of an earlier
-commit), so a change is measured against what it replaces in the same run, round by round: each level of the
-tree's variant gets `ratio_to_against`, the median of its per-round ratios to the @against variant. Goals are
-judged on the tree's variants only.
-With --plain-twin a second plain server (`NONE twin`, same build and flags) runs beside NONE: its ratio to NONE
-is the run's A/A measure, what the served noise alone makes of two identical servers (the markdown prints it per
-level with the rounds' range). On the 2-core machine this project is measured on, the twin's per-round ratios
-to NONE ran 0.94-1.18 at concurrency 1, 0.81-1.02 at 4, 0.85-1.04 at 16 and 0.85-1.01 at 32 (medians 1.08 /
-0.97 / 1.00 / 0.95; `--config NGRAM --config EAGLE3 --config DFLASH --modes adaptive --concurrency 1,4,16,32
---rounds 4 --plain-twin --out runs/serving/s23c_t0.json`): ratios of other rows that close to 1 say nothing.
+Starts a `specserve serve` on 127.0.0.1 for plain decoding (NONE, the baseline) and for each --config in each of
+--modes (`fixed`: `--no-speculative-adaptive`, every step verifies the full width; `adaptive`: the server's
+default), all kept up; a --config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree
+(benchmarks/speculative.py's syntax). After an untimed warm-up of each server, --rounds rounds: in each, every
+level runs on every server in turn (the order rotates), so the machine's drift hits every configuration alike.
+A level keeps c streamed requests in flight and sends max(--num-prompts, --requests-per-slot x c) of the coding
+prompts, --output-len tokens each (ignore_eos), at --temperature. A level's tok/s is the median over rounds, its
+ratio to NONE the median of the per-round ratios. --plain-twin adds a second plain server, whose ratio to NONE is
+the run's A/A noise; --against-src DIR runs every speculative configuration a second time from another source
+tree (`ratio_to_against`).
 
-Prints ONE JSON object: per configuration and concurrency the output tok/s, the mean accept length over
-the level and the ratio to NONE at the same concurrency; NONE's batching ratio (c=16 over c=1 tok/s); the
-issue's goals as booleans (null when a level needed for one was not run or failed). With --out it also
-writes that JSON, a markdown table (same name, .md) and keeps the server logs (folder NAME.logs/), with every
-server's per-pass log (`--speculative-adaptive-trace`: decode and prefill passes; `pass_log_summary.py`).
-Exit code 0, or 1 when some configuration failed (its error and log tail are in the JSON), 2 for bad flags.
+Prints ONE JSON object (per configuration and level: tok/s, accept length, ratio to NONE; NONE's batching ratio,
+c=16 over c=1). With --out also a markdown table beside it and the server logs (NAME.logs/), each with its
+per-pass log for `pass_log_summary.py`. Exit code 0, 1 when some configuration failed, 2 for bad flags.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ The HTTP client is aiohttp, as in SGLang's bench_serving: a client measured on t
 cores, and what it spends per streamed event is taken from the server. On the 2-core machine this project is
 measured on, httpx's stream reader spent 0.21 ms of CPU per event at concurrency 16 against aiohttp's 0.08 ms
 (0.55 vs 0.25 ms at concurrency 1, where each event wakes the loop alone), and a plain demo server streamed
-1.15x the tokens/s to aiohttp (rounds 0.95-1.45x; 0.99x at concurrency 1):
-`python benchmarks/client_cpu.py --model demo --concurrency 1,16 --rounds 3`.
+1.15x the tokens/s to aiohttp (rounds 0.95-1.45x; 0.99x at concurrency 1).
 """
 
 from __future__ import annotations

@@ -117,8 +117,7 @@ class PagedView:
 
     def _gather(self, kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values [B, Hkv, K, D] from one layer's cache. index_select over the flat slot
-        list: a contiguous row copy per slot, 3-4x faster on CPU than advanced indexing with the [B, K] index
-        (`python benchmarks/kv_gather.py`)."""
+        list: a contiguous row copy per slot, 3-4x faster on CPU than advanced indexing with the [B, K] index."""
         rows, k_len = self.read_slots.shape
         h, d = kc.shape[1], kc.shape[2]
         flat = self.read_slots.view(-1)

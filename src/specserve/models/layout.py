@@ -1,21 +1,20 @@
 """The in-memory layout of projection weights for inference on CPU.
 
 `nn.Linear` keeps its weight [N, K] row-major, and `F.linear` multiplies by its transpose. On this project's CPU
-(PyTorch 2.13, MKL/oneDNN fp32) that product is slow for the few-row inputs speculative decoding verifies: `python
-benchmarks/linear_layout.py --threads 2` measures, per projection shape of the demo target, a 17-row product
-1.2-2.7x faster when the same values are stored column-major (the transpose contiguous; down 2.7x, qkv 1.8x, o
-1.7x, gate/up 1.2x), a one-row product 1.05-1.37x, 160-row ones alike (1.00-1.05x). Only the storage order changes:
-every weight keeps its shape, dtype, values and parameter name, so state dicts and checkpoints read the same.
+(PyTorch 2.13, MKL/oneDNN fp32) that product is slow for the few-row inputs speculative decoding verifies: measured
+per projection shape of the demo target on 2 threads, a 17-row product ran 1.2-2.7x faster when the same values
+are stored column-major (the transpose contiguous; down 2.7x, qkv 1.8x, o 1.7x, gate/up 1.2x), a one-row product
+1.05-1.37x, 160-row ones alike (1.00-1.05x). Only the storage order changes: every weight keeps its shape, dtype,
+values and parameter name, so state dicts and checkpoints read the same.
 
-The LM head (wide: [V, H], V = 8192, or a drafter's 4096) depends on the row count: `python
-benchmarks/linear_layout.py --threads 2 --rows 1,2,3,4,8,12,16,17,24,32,64,160,256` measures column-major
-1.3-1.95x faster for 4-32 rows (the rows a DFlash block drafts, an n-gram or DDTree verify, a batch of 16 plain
-decodes), 0.85-0.95x for 2-3 rows (as every projection: 0.80-0.99x), 1.0-1.1x at one row and at 64-256 rows. In
-the engine, where the weight is not hot in cache, less: a DFLASH c=1 step's 15-row drafting product 2.06 -> 1.59 ms,
-its 17-row verify product 1.38 -> 1.35 ms (profiled, medians of 4 blocks of 15 steps). And in tied models the table
-is also the token embedding, whose lookups want rows. So `two_layout_heads` keeps the head's weight as it is and
-adds a column-major copy (a non-persistent buffer: the state dict is unchanged) used for products of `FEW_ROWS`
-rows.
+The LM head (wide: [V, H], V = 8192, or a drafter's 4096) depends on the row count: measured at 1-256 rows,
+column-major ran 1.3-1.95x faster for 4-32 rows (the rows a DFlash block drafts, an n-gram or DDTree verify, a
+batch of 16 plain decodes), 0.85-0.95x for 2-3 rows (as every projection: 0.80-0.99x), 1.0-1.1x at one row and at
+64-256 rows. In the engine, where the weight is not hot in cache, less: a DFLASH c=1 step's 15-row drafting product
+2.06 -> 1.59 ms, its 17-row verify product 1.38 -> 1.35 ms (profiled, medians of 4 blocks of 15 steps). And in tied
+models the table is also the token embedding, whose lookups want rows. So `two_layout_heads` keeps the head's
+weight as it is and adds a column-major copy (a non-persistent buffer: the state dict is unchanged) used for
+products of `FEW_ROWS` rows.
 """
 
 from __future__ import annotations
