@@ -1,4 +1,10 @@
-"""Plain (non-speculative) decoding: the lossless reference every speculative path must match."""
+"""The test oracles: plain decoding (batched, left-padded, one contiguous KV cache) and speculative decoding of
+one request, written apart from the serving engine so the engine's outputs have something independent to equal.
+
+Speculative exactness rests on three things only: the verify forward sees each node at its true position with
+an ancestor-only mask, the verifier is lossless (speculative/verify.py), and the accepted path's KV is
+compacted into contiguous slots before the next round.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,11 @@ import torch
 
 from specserve.engine.stops import StopChecker
 from specserve.kv.contiguous import KVCache
-from specserve.layers.sampling import make_generator, pick
+from specserve.layers.sampling import make_generator, pick, target_probs
 from specserve.models.llama import CausalLM
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.trees.tree import DraftTree
+from specserve.speculative.verify import verify_greedy, verify_sampled
 from specserve.types import GenerationResult, SamplingParams
 
 
@@ -79,3 +88,91 @@ def generate_plain(
         )
         for c, p in zip(checkers, prompts, strict=True)
     ]
+
+
+#: Builds a per-request drafter: (sampling params, generator, max context length) -> Drafter.
+DrafterFactory = Callable[[SamplingParams, torch.Generator, int], Drafter]
+
+
+def tree_mask(tree: DraftTree, prefix: int) -> torch.Tensor:
+    """[1, 1, N+1, prefix+N+1] bool: every node sees the whole prefix and its own ancestors."""
+    anc = tree.ancestor_mask()  # [N+1, N+1]
+    head = torch.ones(anc.shape[0], prefix, dtype=torch.bool, device=anc.device)
+    return torch.cat((head, anc), dim=1)[None, None]
+
+
+@torch.inference_mode()
+def generate_speculative(
+    model: CausalLM,
+    make_drafter: DrafterFactory,
+    prompt: list[int],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    max_tree_nodes: int,
+    decode: Callable[[list[int]], str] | None = None,
+    on_tokens: Callable[[list[int]], bool] | None = None,
+) -> GenerationResult:
+    """Decode one prompt. `on_tokens(new_ids)` sees tokens as they are committed; returning False aborts."""
+    cfg = model.config
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    if not prompt:
+        raise ValueError("the prompt needs at least one token")
+    checker = StopChecker(params, eos_ids, cfg.max_position_embeddings, len(prompt), decode)
+    t_start = time.perf_counter()
+    max_len = len(prompt) + checker.limit + max_tree_nodes + 2
+    cache = KVCache.allocate(cfg, 1, max_len, device, dtype)
+    gen = make_generator(params.seed, device)
+    drafter = make_drafter(params, gen, max_len)
+    capture = drafter.capture
+
+    ids = torch.tensor([prompt], device=device)
+    out = model(ids, torch.arange(len(prompt), device=device)[None], cache.view(0, len(prompt)),
+                capture=capture, last_only=True)
+    hidden = torch.cat(out.captured, dim=-1)[0] if capture else None  # [T, n*H]
+    root = int(pick(out.logits[:, -1], params, gen).item())
+    checker.feed([root])
+    if on_tokens is not None and not on_tokens([root]):
+        checker.finish_reason = "abort"
+    drafter.prefill(prompt, hidden)
+    committed = len(prompt)  # tokens whose KV the target holds; the root is not among them
+
+    accept_lengths: list[int] = []
+    depth_hits: list[int] = []
+    draft_s = verify_s = 0.0
+    while not checker.done:
+        t0 = time.perf_counter()
+        tree = drafter.propose(root)
+        t1 = time.perf_counter()
+        n = tree.tokens.shape[0]
+        positions = (tree.depths + committed)[None]  # [1, N+1]
+        mask = None if tree.is_chain else tree_mask(tree, committed)
+        out = model(tree.tokens[None], positions, cache.view(committed, n, mask), capture=capture)
+        logits = out.logits[0]  # [N+1, V]
+        res = verify_greedy(tree, logits) if params.greedy else verify_sampled(tree, target_probs(logits, params), gen)
+        path = [0, *res.accepted]
+        if res.accepted and res.accepted[-1] != len(res.accepted):  # not a chain prefix: compact
+            cache.move(torch.tensor(path, device=device) + committed, committed)
+        tokens = tree.tokens[path].tolist()  # [root, accepted drafts...]
+        verify_s += time.perf_counter() - t1
+        draft_s += t1 - t0
+        accept_lengths.append(len(res.accepted) + 1)
+        depth_hits.append(len(res.accepted))
+        taken = checker.feed([*tokens[1:], res.bonus])
+        if on_tokens is not None and not on_tokens(checker.tokens[-taken:]) and not checker.done:
+            checker.finish_reason = "abort"
+        if checker.done:
+            break
+        committed += len(path)
+        acc_hidden = torch.cat(out.captured, dim=-1)[0, path] if capture else None  # [k+1, n*H]
+        drafter.accept(tokens, acc_hidden, res.bonus)
+        root = res.bonus
+
+    max_depth = max(depth_hits, default=0)
+    steps = max(1, len(depth_hits))
+    per_pos = [sum(1 for d in depth_hits if d >= i) / steps for i in range(1, max_depth + 1)]
+    return GenerationResult(
+        token_ids=checker.tokens, text=checker.text(), finish_reason=checker.finish_reason or "length",
+        prompt_tokens=len(prompt), elapsed_s=time.perf_counter() - t_start,
+        num_verify_steps=len(accept_lengths), accept_lengths=accept_lengths,
+        accept_per_position=per_pos, draft_s=draft_s, verify_s=verify_s,
+    )

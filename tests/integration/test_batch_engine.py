@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 import torch
 
+from reference_decoding import generate_plain
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive import AdaptivePolicy
+from specserve.engine.adaptive import AdaptivePolicy, CostProfile
 from specserve.engine.batch import MERGE_TOKENS, BatchEngine
-from specserve.engine.cost_profile import CostProfile
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.pass_log import PassLog, read_pass_log
-from specserve.engine.plain import generate_plain
 from specserve.kv.contiguous import KVCache
 from specserve.kv.paged import PagedKVCache
 from specserve.layers.sampling import target_probs

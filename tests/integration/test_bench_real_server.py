@@ -130,7 +130,7 @@ def offline(tiny_dir: Path, spec: SpeculativeConfig) -> tuple[list[int], float]:
     prompts = sample_prompts(load_dataset("coding", NUM_PROMPTS, SEED), NUM_PROMPTS, SEED)
     ids = [llm.encode(p.as_text()) for p in prompts]
     params = SamplingParams(max_new_tokens=OUTPUT_LEN, ignore_eos=True)
-    steps = [n for x in ids for n in llm.generate_one(x, params).accept_lengths] if spec.enabled else [1]
+    steps = [n for x in ids for n in llm.generate([x], params)[0].accept_lengths] if spec.enabled else [1]
     return sorted(len(x) for x in ids), sum(steps) / len(steps)
 
 

@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 
+from reference_decoding import generate_plain, generate_speculative
 from specserve.bench.suites import coding_prompts, load_suite
 from specserve.cli import main
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
-from specserve.engine.plain import generate_plain
 from specserve.models.loader import resolve_model_path
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import SamplingParams
 

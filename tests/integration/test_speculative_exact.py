@@ -1,5 +1,8 @@
 """Greedy speculative decoding equals plain greedy decoding, token for token, for every drafter
-and tree mode, with untrained (random-weight) drafters; and sampling keeps the target's distribution."""
+and tree mode, with untrained (random-weight) drafters; and sampling keeps the target's distribution.
+
+Speculative runs go through the offline API (`LLM.generate`: the serving engine, a list of prompts as one
+continuous batch); the plain reference is the independent oracle of `tests/reference_decoding.py`."""
 
 from __future__ import annotations
 
@@ -10,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from reference_decoding import generate_plain
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
-from specserve.engine.plain import generate_plain
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.dflash.checkpoint import init_random_dflash
 from specserve.speculative.eagle3.checkpoint import init_random_eagle3
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
@@ -81,15 +83,17 @@ def spec_configs(draft_dir: Path, dflash_dir: Path, eagle_dir: Path,
     ]
 
 
-def spec_runner(llm: LLM, spec: SpeculativeConfig) -> Callable[[list[int], SamplingParams], GenerationResult]:
-    """Load the drafter once; the returned function decodes one prompt speculatively."""
+def spec_batch(llm: LLM, spec: SpeculativeConfig) -> Callable[[list[list[int]], list[SamplingParams]],
+                                                               list[GenerationResult]]:
+    """Load the drafter once; the returned function decodes a batch of prompts speculatively on the engine."""
     builder = DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
+    return lambda ids, params: llm.generate_with(builder, ids, params)
 
-    def run(ids: list[int], params: SamplingParams) -> GenerationResult:
-        return generate_speculative(llm.model, builder.for_request, ids, params, llm.eos_ids,
-                                    builder.max_tree_nodes, llm.tokenizer.decode)
 
-    return run
+def spec_runner(llm: LLM, spec: SpeculativeConfig) -> Callable[[list[int], SamplingParams], GenerationResult]:
+    """One prompt at a time (`spec_batch` of one)."""
+    batch = spec_batch(llm, spec)
+    return lambda ids, params: batch([ids], [params])[0]
 
 
 def run_spec(llm: LLM, spec: SpeculativeConfig, ids: list[int], params: SamplingParams) -> GenerationResult:
@@ -105,13 +109,25 @@ def test_greedy_exact_over_grid(llm: LLM, prompts: list[list[int]], tiny_draft_d
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     expected = [plain(llm, p, params).token_ids for p in prompts]
     for spec in spec_configs(tiny_draft_dir, dflash_dir, eagle_dir, dflash_reveal_dir):
-        run = spec_runner(llm, spec)
         steps = 0
-        for ids, want in zip(prompts, expected, strict=True):
-            res = run(ids, params)
+        for ids, want, res in zip(prompts, expected, spec_batch(llm, spec)(prompts, [params] * len(prompts)),
+                                  strict=True):
             assert res.token_ids == want, (spec, ids)
             steps += res.num_verify_steps
         assert steps <= len(prompts) * 23  # at most one verify round per token after the first
+
+
+def test_one_prompt_at_a_time_equals_the_batch(llm: LLM, prompts: list[list[int]], tiny_draft_dir: Path,
+                                               dflash_dir: Path, eagle_dir: Path) -> None:
+    """A prompt decoded alone gives the tokens it gets inside a batch (greedy; a chain, a tree, a block)."""
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    r = SpeculativeConfig.resolve
+    for spec in (r("NGRAM"), r("EAGLE3", str(eagle_dir), num_steps=2, eagle_topk=2, num_draft_tokens=5),
+                 r("DFLASH", str(dflash_dir), dflash_block_size=8, tree="ddtree", num_draft_tokens=8)):
+        batch = spec_batch(llm, spec)
+        together = batch(prompts[:8], [params] * 8)
+        for ids, res in zip(prompts[:8], together, strict=True):
+            assert batch([ids], [params])[0].token_ids == res.token_ids, spec
 
 
 def test_stops_inside_an_accepted_run(llm: LLM, prompts: list[list[int]], tiny_draft_dir: Path,
@@ -179,9 +195,8 @@ def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dfl
     }[which]
     ids = llm.encode("a = 1\nb = 2\na = 1\nb")
     n = 600
-    run = spec_runner(llm, spec)
-    sp = [run(ids, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3, seed=s, ignore_eos=True))
-          for s in range(n)]
+    sp = spec_batch(llm, spec)([ids] * n, [SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3, seed=s,
+                                                          ignore_eos=True) for s in range(n)])
     pl = [plain(llm, ids, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3, seed=10_000 + s,
                                     ignore_eos=True))
           for s in range(n)]

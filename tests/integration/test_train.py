@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specserve.engine.plain import generate_plain
+from reference_decoding import generate_plain
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model
 from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash

@@ -13,12 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from reference_decoding import generate_plain, generate_speculative
 from specserve.config import ModelConfig, SpeculativeConfig
-from specserve.engine.plain import generate_plain
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.dflash.checkpoint import check_dflash, init_random_dflash, load_dflash, save_dflash
 from specserve.speculative.dflash.drafter import DFlashDrafter
 from specserve.speculative.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids

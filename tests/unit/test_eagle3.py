@@ -14,13 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import specserve.speculative.eagle3.drafter as eagle3_mod
+from reference_decoding import generate_plain, generate_speculative
 from specserve.config import SpeculativeConfig
-from specserve.engine.plain import generate_plain
 from specserve.kv.contiguous import KVCache
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.eagle3.checkpoint import check_eagle3, init_random_eagle3, load_eagle3, save_eagle3
 from specserve.speculative.eagle3.drafter import Eagle3Drafter
 from specserve.speculative.eagle3.model import Eagle3Config, Eagle3Model, default_aux_layer_ids

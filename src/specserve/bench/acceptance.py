@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from specserve.bench.suites import Task
 from specserve.engine.llm import LLM
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.factory import DrafterBuilder
 from specserve.types import GenerationResult, SamplingParams
 
@@ -79,7 +78,9 @@ def run_acceptance(
     # warm-up: first calls pay one-time costs (allocations, RoPE tables) that are not decoding speed
     warm = SamplingParams(max_new_tokens=4, temperature=params.temperature, seed=params.seed, ignore_eos=True)
     llm.generate_plain([prompts[0]], warm)
-    llm.generate_one(prompts[0], warm)
+    llm.generate([prompts[0]], warm)
+    if reference is not None:
+        llm.generate_with(reference, [prompts[0]], warm)
     results: list[TaskResult] = []
     all_steps: list[int] = []
     tot = {"plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "draft_s": 0.0, "verify_s": 0.0}
@@ -87,11 +88,10 @@ def run_acceptance(
     for task, ids in tqdm(list(zip(tasks, prompts, strict=True)), desc="acceptance", unit="task",
                           disable=not progress, file=sys.stderr):
         plain, t_plain = _timed(lambda ids=ids: llm.generate_plain([ids], params)[0])
-        spec, t_spec = _timed(lambda ids=ids: llm.generate_one(ids, params))
+        spec, t_spec = _timed(lambda ids=ids: llm.generate([ids], params)[0])
         ref_len = pct = None
         if reference is not None:
-            ref = generate_speculative(llm.model, reference.for_request, ids, params, llm.eos_ids,
-                                       reference.max_tree_nodes, llm.tokenizer.decode)
+            [ref] = llm.generate_with(reference, [ids], params)
             ref_steps.extend(ref.accept_lengths)
             ref_len = ref.accept_length
             pct = 100.0 * spec.accept_length / ref_len if ref_len else None

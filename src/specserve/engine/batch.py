@@ -10,20 +10,23 @@ One `step()`:
 Short prefill chunks ride in the decode forward instead of one of their own (`_merges`): a request replacing
 a finished one mid-level (its prompt mostly prefix-cached) then costs a few more rows of that forward.
 Every request keeps its own sampling parameters, generator, stop checker and drafter; the step returns
-what each produced. Not thread-safe: the serving wrapper (`server/batch_serving.py`) calls it from one thread.
+what each produced. Not thread-safe: the serving wrapper (`server/batch_serving.py`) and the offline loop
+(`engine/offline.py`) call it from one thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from specserve.engine.adaptive import AdaptivePolicy, streak_class
+from specserve.engine.adaptive import AdaptivePolicy, engine_profile, streak_class
 from specserve.engine.drafting import draft_trees
-from specserve.engine.engine_config import EngineConfig, EngineCounters, StepOutput
+from specserve.engine.engine_config import EngineConfig, EngineCounters, EngineStats, RequestStats, StepOutput
 from specserve.engine.pass_log import PassLog
 from specserve.engine.runner import ModelRunner, Row, RowOutput
 from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
@@ -54,6 +57,7 @@ class _Request:
     checker: StopChecker
     drafter: Drafter | None = None
     last_accepted: int | None = None  # drafts its last decided round accepted (verified or shadow)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify round, bonus included
 
 
 class BatchEngine:
@@ -65,7 +69,10 @@ class BatchEngine:
         config: EngineConfig,
         drafters: DrafterBuilder | None = None,
         policy: AdaptivePolicy | None = None,
+        pass_log: PassLog | None = None,
     ) -> None:
+        """`drafters`: None decodes plainly. `policy`: the adaptive draft width (None: always the widest; `adapt`
+        builds one from a measured cost profile). `pass_log`: a JSON line per pass (--speculative-adaptive-trace)."""
         self.model = model
         self.eos_ids = eos_ids
         self.decode = decode
@@ -82,7 +89,7 @@ class BatchEngine:
         # cached prefixes included: each KV slot keeps its position's captured states as well.
         features = len(self.capture) * mcfg.hidden_size
         block_bytes = PagedKVCache.block_bytes(mcfg, config.kv_block_size, dtype, feature_dim=features)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gb * 2**30 // block_bytes))
+        num_blocks = config.num_kv_blocks or self.pool_blocks(model, config, drafters)
         self.kv = PagedKVCache(mcfg, num_blocks, config.kv_block_size, device, dtype, feature_dim=features)
         self.pool = BlockPool(num_blocks, config.kv_block_size)
         host_blocks = int(config.hicache_gb * 2**30 // block_bytes)
@@ -102,9 +109,60 @@ class BatchEngine:
         # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)
         self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
-        self.pass_log: PassLog | None = None  # --speculative-adaptive-trace
+        self.pass_log = pass_log
         self._requests: dict[str, _Request] = {}
         self._block_offsets = range(config.kv_block_size)
+
+    @staticmethod
+    def pool_blocks(model: CausalLM, config: EngineConfig, drafters: DrafterBuilder | None) -> int:
+        """KV blocks in `config.kv_cache_gb` (each block also keeps its positions' captured drafter states)."""
+        capture = drafters.capture if drafters is not None else ()
+        block_bytes = PagedKVCache.block_bytes(model.config, config.kv_block_size, model.lm_head.weight.dtype,
+                                               feature_dim=len(capture) * model.config.hidden_size)
+        return max(1, int(config.kv_cache_gb * 2**30 // block_bytes))
+
+    def adapt(self, profile_path: Path | None = None) -> Path | None:
+        """Speculate adaptively from now on: the cost profile is loaded from `profile_path` (or the per-machine
+        default) or measured there first. Returns the profile's path; None where there is nothing to adapt."""
+        if self.drafters is None or self.max_draft == 0:
+            return None
+        profile, path = engine_profile(self, profile_path)
+        self.policy = AdaptivePolicy(profile, self.max_draft, stepwise=self.drafters.stepwise)
+        return path
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's queues, KV pool, prefix cache, host tier and counters."""
+        c = self.counters
+        cache = self.cache.stats if self.cache is not None else None
+        host = self.host.stats if self.host is not None else None
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            max_queue=self.config.max_waiting, prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,
+            finished=dict(c.finished), speculative=self.drafters is not None, spec_verify_steps=c.verify_rounds,
+            spec_accept_length_sum=c.accept_sum, spec_position_accepted=tuple(c.position_accepted),
+            kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
+            kv_blocks_cached=self.cache.num_device_blocks if self.cache is not None else 0,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_hit_tokens=cache.hit_tokens if cache else 0, prefix_miss_tokens=cache.miss_tokens if cache else 0,
+            host_hit_tokens=cache.host_hit_tokens if cache else 0,
+            host_blocks_used=self.host.num_used if self.host is not None else 0,
+            device_to_host_blocks=host.device_to_host if host else 0,
+            host_to_device_blocks=host.host_to_device if host else 0,
+            engine_steps=c.steps, spec_steps=c.spec_steps, engine_step_seconds=c.step_s,
+            engine_forward_seconds=c.forward_s,
+            adaptive_choices=dict(self.policy.choices) if self.policy is not None else {},
+        )
+
+    def describe(self) -> dict[str, object]:
+        """The engine's configuration as built (for `/server_info`)."""
+        return {
+            "engine": "continuous-batching",
+            "engine_config": dataclasses.asdict(self.config),
+            "num_kv_blocks": self.pool.num_blocks,
+            "prefix_cache": self.cache is not None,
+            "host_tier_blocks": self.host.capacity if self.host is not None else 0,
+            "speculative_adaptive": self.policy is not None,
+        }
 
     # -- requests
 
@@ -154,9 +212,10 @@ class BatchEngine:
             req = self._requests[seq.request_id]
             req.drafter = None  # rebuilt when the recomputed prefill completes
         for seq in plan.finished:
-            self._requests.pop(seq.request_id, None)
+            gone = self._requests.pop(seq.request_id, None)
             self._count_finish("length")
-            outs.append(StepOutput(seq.request_id, [], "length"))
+            stats = RequestStats(tuple(gone.accept_lengths), gone.checker.stop_text_at) if gone is not None else None
+            outs.append(StepOutput(seq.request_id, [], "length", stats))
         merge = self._merges(plan)
         if plan.prefills and not merge:
             outs += self._run_prefills(plan.prefills)
@@ -245,7 +304,8 @@ class BatchEngine:
 
     def _run_decodes(self, items: tuple[DecodeItem, ...], k: int,
                      prefills: tuple[PrefillChunk, ...] = ()) -> list[StepOutput]:
-        """The decode pass; `prefills`: chunks whose rows go into its forward (`_merges`), finished first."""
+        """The decode pass: draft, one forward (with `prefills`' rows: `_merges`), verify and commit, then
+        let the adaptive policy learn from it."""
         t0, f0 = time.perf_counter(), self.counters.forward_s
         drafters = [self._requests[i.seq.request_id].drafter for i in items]
         # some drafter absorbs more than a round's tokens (a new request's prompt, rounds it skipped): a
@@ -253,35 +313,54 @@ class BatchEngine:
         catch_up = any(d is not None and i.num_draft_tokens > 0 and d.backlog > self.max_draft + 2
                        for i, d in zip(items, drafters, strict=True))
         trees = draft_trees(items, drafters, self.config.batch_invariant)  # None: decodes plainly
-        rows: list[Row] = []
-        for item, tree in zip(items, trees, strict=True):
-            context = self._context(item.seq, item.start)
-            if tree is None:
-                rows.append(Row([item.seq.token_ids[-1]], [item.start], [item.slots[0]], context))
-                continue
-            n = tree.num_nodes + 1
-            rows.append(Row(
-                token_ids=tree.tokens.tolist(), positions=(tree.depths + item.start).tolist(),
-                write_slots=list(item.slots[:n]), context=context,
-                tree_mask=None if tree.is_chain else tree.ancestor_mask(), logits="all",
-            ))
+        self.counters.draft_s += time.perf_counter() - t0
         if k > 0:
             self.counters.spec_steps += 1
-        pre_rows = [self._prefill_row(c) for c in prefills]
-        results = self._forward(rows + pre_rows)
-        outs: list[StepOutput] = []
-        merged_s = 0.0  # the merged chunks' own work after the forward, kept out of the decode pass's time
-        if prefills:
-            t1, d1 = time.perf_counter(), self.counters.prefill_drafter_s
-            outs += self._finish_prefills(prefills, results[len(rows):])
-            merged_s = time.perf_counter() - t1
-            self.counters.merged_prefills += len(prefills)
-            if self.pass_log is not None:
-                self.pass_log.write_prefill(len(pre_rows), sum(r.q for r in pre_rows), merged_s, 0.0,
-                                            self.counters.prefill_drafter_s - d1, merged=True)
-            results = results[: len(rows)]
+        rows = [self._decode_row(item, tree) for item, tree in zip(items, trees, strict=True)]
+        results = self._forward(rows + [self._prefill_row(c) for c in prefills])
+        outs, merged_s = self._finish_merged(prefills, results[len(rows):])
+        committed, verified = self._commit_decodes(items, trees, results[: len(rows)], k)
+        outs += committed
+        self._shadow_rounds(items, k)
+        elapsed = time.perf_counter() - t0 - merged_s  # the shadow rounds' cost counts in the pass's time
+        self.counters.decode_s += elapsed
+        self._record_pass(len(items), k, verified, elapsed, self.counters.forward_s - f0, catch_up)
+        return outs
+
+    def _decode_row(self, item: DecodeItem, tree: DraftTree | None) -> Row:
+        """A decode's row of the forward: its last token alone, or its draft tree (root first)."""
+        context = self._context(item.seq, item.start)
+        if tree is None:
+            return Row([item.seq.token_ids[-1]], [item.start], [item.slots[0]], context)
+        n = tree.num_nodes + 1
+        return Row(
+            token_ids=tree.tokens.tolist(), positions=(tree.depths + item.start).tolist(),
+            write_slots=list(item.slots[:n]), context=context,
+            tree_mask=None if tree.is_chain else tree.ancestor_mask(), logits="all",
+        )
+
+    def _finish_merged(self, prefills: tuple[PrefillChunk, ...],
+                       results: list[RowOutput]) -> tuple[list[StepOutput], float]:
+        """Finish the prefill chunks that rode in the decode forward; their outputs and the seconds it took
+        (kept out of the decode pass's time)."""
+        if not prefills:
+            return [], 0.0
+        t1, d1 = time.perf_counter(), self.counters.prefill_drafter_s
+        outs = self._finish_prefills(prefills, results)
+        merged_s = time.perf_counter() - t1
+        self.counters.merged_prefills += len(prefills)
+        if self.pass_log is not None:
+            self.pass_log.write_prefill(len(prefills), sum(c.num_tokens for c in prefills), merged_s, 0.0,
+                                        self.counters.prefill_drafter_s - d1, merged=True)
+        return outs, merged_s
+
+    def _commit_decodes(self, items: tuple[DecodeItem, ...], trees: list[DraftTree | None],
+                        results: list[RowOutput], k: int) -> tuple[list[StepOutput], int]:
+        """Per decode: pick its next token (plain) or verify its tree, commit what it produced. Returns the
+        outputs and the tokens the pass produced (before stop conditions cut a request's last ones)."""
         picks = iter(self._greedy_picks(items, trees, results))
-        verified = 0  # tokens the pass produced, before stop conditions cut a request's last ones
+        outs: list[StepOutput] = []
+        verified = 0
         for item, tree, res in zip(items, trees, results, strict=True):
             if tree is None:
                 req = self._requests[item.seq.request_id]
@@ -291,26 +370,32 @@ class BatchEngine:
                 out, n = self._verify(item, tree, res, speculated=k > 0)
             outs += out
             verified += n
-        if self.policy is not None and self.shadow is not None:  # see engine/shadow.py
-            live = [(r.seq.request_id, r.seq.token_ids, r.drafter, self._class(r))
-                    for r in (self._requests.get(i.seq.request_id) for i in items) if r is not None]
-            for rid, path, decided, cls in self.shadow.after_step(live, set(self._requests), k == 0, self.max_draft):
-                if decided:  # class: the request's when the round began
-                    self.policy.record_accept(path, self.max_draft, cls)
-                if decided or path:  # a round still open has accepted at least its path so far
-                    self._requests[rid].last_accepted = len(path)
-        elapsed = time.perf_counter() - t0 - merged_s  # the shadow rounds' cost counts in the pass's time
-        forward = self.counters.forward_s - f0
+        return outs, verified
+
+    def _shadow_rounds(self, items: tuple[DecodeItem, ...], k: int) -> None:
+        """Acceptance measured on unverified trees during plain steps, for the policy (`engine/shadow.py`)."""
+        if self.policy is None or self.shadow is None:
+            return
+        live = [(r.seq.request_id, r.seq.token_ids, r.drafter, self._class(r))
+                for r in (self._requests.get(i.seq.request_id) for i in items) if r is not None]
+        for rid, path, decided, cls in self.shadow.after_step(live, set(self._requests), k == 0, self.max_draft):
+            if decided:  # class: the request's when the round began
+                self.policy.record_accept(path, self.max_draft, cls)
+            if decided or path:  # a round still open has accepted at least its path so far
+                self._requests[rid].last_accepted = len(path)
+
+    def _record_pass(self, batch: int, k: int, verified: int, elapsed: float, forward: float,
+                     catch_up: bool) -> None:
+        """The pass's line in the trace, and its costs for the adaptive policy."""
         if self.pass_log is not None:
-            self.pass_log.write(len(items), k, verified, elapsed, forward, catch_up)
+            self.pass_log.write(batch, k, verified, elapsed, forward, catch_up)
         if self.policy is not None:
-            host = (elapsed - forward) / len(items)  # host time per request of this decode pass
+            host = (elapsed - forward) / batch  # host time per request of this decode pass
             if k > 0:
-                self.policy.record_draft(host, k, len(items), catch_up)
+                self.policy.record_draft(host, k, batch, catch_up)
             else:
                 self.policy.record_plain(host)
-            self.policy.record_pass(len(items), k, elapsed, catch_up)
-        return outs
+            self.policy.record_pass(batch, k, elapsed, catch_up)
 
     def _greedy_picks(self, items: tuple[DecodeItem, ...], trees: list[DraftTree | None],
                       results: list[RowOutput]) -> list[int]:
@@ -357,6 +442,7 @@ class BatchEngine:
             c.position_accepted.extend([0] * (len(v.accepted) - len(c.position_accepted)))
             for i in range(len(v.accepted)):
                 c.position_accepted[i] += 1
+            req.accept_lengths.append(len(path))
             if self.policy is not None:
                 self.policy.record_accept(v.accepted, item.num_draft_tokens, self._class(req))
                 req.last_accepted = len(v.accepted)
@@ -376,7 +462,8 @@ class BatchEngine:
         self.scheduler.finish(seq, reason)
         del self._requests[seq.request_id]
         self._count_finish(reason)
-        return [StepOutput(seq.request_id, kept, reason)]
+        stats = RequestStats(tuple(req.accept_lengths), req.checker.stop_text_at)
+        return [StepOutput(seq.request_id, kept, reason, stats)]
 
     def _count_finish(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

@@ -1,5 +1,6 @@
 """What the batch engine is configured with (`EngineConfig`, validated here: the serve flags' checks), what a
-step returns (`StepOutput`) and what it counts (`EngineCounters`, read by the server's metrics)."""
+step returns (`StepOutput`), what it counts (`EngineCounters`) and reports (`EngineStats`, read by the server's
+metrics)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,19 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RequestStats:
+    """A finished request's record, on its last `StepOutput`."""
+
+    accept_lengths: tuple[int, ...]  # tokens committed per verify round (accepted drafts + the bonus token)
+    stop_text_at: int | None = None  # char offset of a matched stop string in the decoded output
+
+
+@dataclass(frozen=True)
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # set on the request's last output
+    stats: RequestStats | None = None  # with finish_reason (not on aborts, nor the scheduler's "length" cut)
 
 
 @dataclass
@@ -54,4 +64,48 @@ class EngineCounters:
     step_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which target forwards (the rest is host work: scheduling, drafting, verifying)
     prefill_drafter_s: float = 0.0  # of which drafters taking in completed prompts
+    draft_s: float = 0.0  # of the decode passes' time, drafting
+    decode_s: float = 0.0  # decode passes (drafting, the forward, verifying, committing)
     merged_prefills: int = 0  # prefill chunks that rode in a decode forward (`BatchEngine._merges`)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters (what `/metrics` and `/server_info` report)."""
+
+    num_waiting: int
+    num_running: int
+    max_queue: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict[str, int]  # finish reason -> requests
+    speculative: bool
+    spec_verify_steps: int = 0
+    spec_accept_length_sum: int = 0  # accepted drafts + 1, summed over verify steps
+    spec_position_accepted: tuple[int, ...] = ()  # [i]: verify steps that accepted draft i+1
+    # continuous-batching engine (zero where an engine has no such part)
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0  # held by the prefix cache
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_miss_tokens: int = 0
+    host_hit_tokens: int = 0  # prefix hits served from the host tier
+    host_blocks_used: int = 0
+    device_to_host_blocks: int = 0
+    host_to_device_blocks: int = 0
+    engine_steps: int = 0
+    engine_step_seconds: float = 0.0
+    engine_forward_seconds: float = 0.0  # target forwards; the rest of a step is host work
+    spec_steps: int = 0  # steps that verified drafts (adaptive speculation may skip some)
+    adaptive_choices: dict[int, int] = field(default_factory=dict)  # draft width -> steps
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def avg_accept_length(self) -> float | None:
+        if not self.speculative:
+            return None
+        return self.spec_accept_length_sum / self.spec_verify_steps if self.spec_verify_steps else 0.0

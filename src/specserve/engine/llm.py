@@ -1,25 +1,34 @@
 """The offline API: load a target (and a drafter), generate for a list of prompts.
 
+    from specserve import LLM, SamplingParams, SpeculativeConfig
     llm = LLM("demo", speculative=SpeculativeConfig.resolve("NGRAM"))
-    [res] = llm.generate(["def fizzbuzz(n):"], SamplingParams(max_new_tokens=64))
+    outs = llm.generate(["def fizzbuzz(n):", "class Stack:"], SamplingParams(max_new_tokens=64))
+
+The prompts run as one continuous batch on the serving engine (`engine/offline.py`), which `make_engine` also
+builds for the server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from specserve.config import ModelConfig, SpeculativeConfig, parse_dtype, pick_device
-from specserve.engine.plain import generate_plain
+from specserve.engine.batch import BatchEngine
+from specserve.engine.engine_config import EngineConfig
+from specserve.engine.offline import OnTokens, generate_batch, kv_blocks_needed
+from specserve.engine.pass_log import PassLog
 from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model, resolve_model_path
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import GenerationResult, SamplingParams
+
+log = logging.getLogger("specserve.engine")
 
 
 def default_dtype(cfg_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -28,7 +37,7 @@ def default_dtype(cfg_dtype: str | None, device: torch.device) -> torch.dtype:
     On CPU float32 is the exact mode: a verify forward over many tokens rounds differently from a
     one-token decode step, and in bf16 that flips near-tie argmaxes often enough that greedy
     speculative output would drift from plain greedy output (measured on the demo: 3 of 10 coding
-    prompts; see benchmarks/speculative.py --dtype bfloat16). bf16 stays available with --dtype.
+    prompts; `benchmarks/speculative.py --dtype bfloat16`). bf16 stays available with --dtype.
     """
     if device.type == "cuda":
         return parse_dtype(cfg_dtype) if cfg_dtype else torch.bfloat16
@@ -39,7 +48,7 @@ def default_draft_dtype(algorithm: str, target_dtype: torch.dtype, device: torch
     """`auto` for the drafter: bfloat16 for DFLASH on a CPU with native bf16 matrix units (AMX or AVX512-BF16),
     where its block of rows multiplies 2-6x faster than in float32; else the target's dtype (EAGLE-3 and
     draft-model chains draft a row at a time, and a one-row product runs ~2x slower in bf16 there: EAGLE3 lost
-    3-14% in bf16, DFLASH gained 3-10%, `benchmarks/draft_dtype.py`). Drafts only propose: the target verifies
+    3-14% in bf16, DFLASH gained 3-10%: docs/benchmarks.md). Drafts only propose: the target verifies
     them in its own dtype, so greedy output stays exactly plain greedy decoding's whatever the drafter runs in."""
     if algorithm == "DFLASH" and device.type == "cpu" and target_dtype == torch.float32 and cpu_has_native_bf16():
         return torch.bfloat16
@@ -68,8 +77,14 @@ class LLM:
         dtype: str | None = None,
         speculative: SpeculativeConfig | None = None,
         draft_dtype: str | None = None,
+        engine_config: EngineConfig | None = None,
+        adaptive: bool = False,
+        adaptive_profile: str | Path | None = None,
     ) -> None:
-        """dtype / draft_dtype: `auto` (None) or a dtype name, of the target / of the drafter's weights."""
+        """dtype / draft_dtype: `auto` (None) or a dtype name, of the target / of the drafter's weights.
+        engine_config: the offline engine's (None: a KV pool sized to each batch, 1 GB at most).
+        adaptive: pick the draft width per step from a measured cost profile (`--speculative-adaptive`) instead
+        of always drafting the configured width."""
         self.device = pick_device(device)
         model_dir = resolve_model_path(model)
         cfg = ModelConfig.from_file(model_dir / "config.json")
@@ -95,30 +110,73 @@ class LLM:
         self.drafter_builder: DrafterBuilder | None = (
             DrafterBuilder(plan, self.model, self.device, self.draft_dtype) if plan is not None else None
         )
+        self.engine_config = engine_config
+        self.adaptive = adaptive
+        self.adaptive_profile = Path(adaptive_profile) if adaptive_profile else None
+        self._engines: dict[str, BatchEngine] = {}  # the offline engines: "spec", "plain", "reference"
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        ids = [self.encode(p) for p in prompts]
-        if self.drafter_builder is None:  # plain decoding batches the prompts
-            return generate_plain(self.model, ids, params, self.eos_ids, self.tokenizer.decode)
-        return [self.generate_one(p, params) for p in ids]
+    def make_engine(self, config: EngineConfig, drafters: DrafterBuilder | None = None, plain: bool = False,
+                    adaptive: bool = False, profile_path: Path | None = None,
+                    trace_path: Path | None = None) -> BatchEngine:
+        """A continuous-batching engine on this target: with this LLM's drafter (or `drafters`), or plain.
+        `adaptive`: its cost profile is loaded from `profile_path` (or the per-machine default) or measured
+        first. `trace_path`: a JSON line per pass (`engine/pass_log.py`)."""
+        builder = None if plain else (drafters or self.drafter_builder)
+        passes = PassLog(trace_path) if trace_path else None
+        engine = BatchEngine(self.model, self.eos_ids, self.tokenizer.decode, config, builder, pass_log=passes)
+        if adaptive and (path := engine.adapt(profile_path)) is not None:
+            log.info("adaptive speculation: cost profile %s", path)
+        return engine
 
-    def generate_one(
-        self, prompt_ids: list[int], params: SamplingParams,
-        on_tokens: Callable[[list[int]], bool] | None = None,
-    ) -> GenerationResult:
-        """One request, streamed: `on_tokens(new_ids)` is called as tokens are committed (False aborts)."""
-        decode = self.tokenizer.decode
-        if self.drafter_builder is None:
-            cb = None if on_tokens is None else (lambda _row, ids: on_tokens(ids))
-            return generate_plain(self.model, [prompt_ids], params, self.eos_ids, decode, cb)[0]
-        b = self.drafter_builder
-        return generate_speculative(self.model, b.for_request, prompt_ids, params, self.eos_ids,
-                                    b.max_tree_nodes, decode, on_tokens)
+    def generate(
+        self, prompts: Sequence[str] | Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+        on_tokens: OnTokens | None = None,
+    ) -> list[GenerationResult]:
+        """Decode all prompts as one continuous batch (speculatively where configured); results in order.
+        `params`: one for all or one per prompt. `on_tokens(i, new_ids)` streams; returning False aborts prompt i."""
+        return self._run("spec" if self.drafter_builder is not None else "plain", prompts, params, on_tokens)
 
-    def generate_plain(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def generate_plain(self, prompts: Sequence[str] | Sequence[list[int]],
+                       params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
         """Plain decoding regardless of the speculative config (the reference in benchmarks)."""
-        return generate_plain(self.model, [self.encode(p) for p in prompts], params, self.eos_ids,
-                              self.tokenizer.decode)
+        return self._run("plain", prompts, params)
+
+    def generate_with(self, drafters: DrafterBuilder, prompts: Sequence[str] | Sequence[list[int]],
+                      params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+        """Decode with another drafter on this target (`bench acceptance --reference-draft`)."""
+        return self._run("reference", prompts, params, drafters=drafters)
+
+    def _run(self, kind: str, prompts: Sequence[str] | Sequence[list[int]],
+             params: SamplingParams | Sequence[SamplingParams], on_tokens: OnTokens | None = None,
+             drafters: DrafterBuilder | None = None) -> list[GenerationResult]:
+        ids = [self.encode(p) for p in prompts]
+        plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
+        engine = self._engine(kind, ids, plist, drafters)
+        return generate_batch(engine, ids, plist, self.tokenizer.decode, on_tokens)
+
+    def _engine(self, kind: str, ids: list[list[int]], params: list[SamplingParams],
+                drafters: DrafterBuilder | None) -> BatchEngine:
+        """The offline engine of `kind`, kept between calls (prefix cache, adaptive policy); without an
+        `engine_config` its KV pool fits the batch (capped at 1 GB) and is rebuilt larger when a batch needs it."""
+        builder = None if kind == "plain" else (drafters or self.drafter_builder)
+        have = self._engines.get(kind)
+        if kind == "reference" and have is not None and have.drafters is not builder:
+            have = None
+        if self.engine_config is not None:
+            if have is None:
+                have = self._engines[kind] = self._make(kind, self.engine_config, builder)
+            return have
+        nodes = builder.max_tree_nodes if builder is not None else 1
+        need = kv_blocks_needed(ids, params, EngineConfig.kv_block_size, nodes, self.config.max_position_embeddings)
+        if have is None or have.pool.num_blocks < need:
+            cap = BatchEngine.pool_blocks(self.model, EngineConfig(), builder)  # the default pool bounds it
+            blocks = max(64, min(need, cap))
+            have = self._engines[kind] = self._make(kind, EngineConfig(num_kv_blocks=blocks), builder)
+        return have
+
+    def _make(self, kind: str, config: EngineConfig, builder: DrafterBuilder | None) -> BatchEngine:
+        return self.make_engine(config, drafters=builder, plain=builder is None,
+                                adaptive=self.adaptive and kind == "spec", profile_path=self.adaptive_profile)

@@ -8,7 +8,8 @@ to different sizes) run packed: their T tokens as one [1, T] sequence through th
 only attention laid out per row on the padded [B, Q_max] grid (`PagedView.pad`).
 
 `batch_invariant=True` runs every row as its own forward with exactly the shapes offline decoding uses
-(`engine/plain.py`, `speculative/decode.py`), so a request's tokens do not depend on what else is in the batch.
+(the test oracles, `tests/reference_decoding.py`), so a request's tokens do not depend on what else is in the
+batch.
 """
 
 from __future__ import annotations

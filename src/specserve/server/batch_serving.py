@@ -21,15 +21,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from specserve.engine.adaptive import AdaptivePolicy
 from specserve.engine.batch import BatchEngine
-from specserve.engine.engine_config import EngineConfig, StepOutput
+from specserve.engine.engine_config import StepOutput
 from specserve.engine.llm import LLM
-from specserve.engine.pass_log import PassLog
-from specserve.engine.profile import engine_profile
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_api import (
     EngineClosed,
@@ -89,19 +85,13 @@ class BatchServingEngine:
         return self._thread is not None and self._thread.is_alive() and not self._closed
 
     def describe(self) -> dict[str, Any]:
-        e = self._engine
         return {
             "model_path": str(self._llm.model_dir),
             "device": str(self._llm.device),
             "dtype": str(self._llm.dtype).removeprefix("torch."),
             "max_context_length": self.max_context,
             "speculative": dataclasses.asdict(self._llm.spec),
-            "engine": "continuous-batching",
-            "engine_config": dataclasses.asdict(e.config),
-            "num_kv_blocks": e.pool.num_blocks,
-            "prefix_cache": e.cache is not None,
-            "host_tier_blocks": e.host.capacity if e.host is not None else 0,
-            "speculative_adaptive": e.policy is not None,
+            **self._engine.describe(),
             "overlap_schedule": self._overlap,
         }
 
@@ -135,29 +125,13 @@ class BatchServingEngine:
         return group
 
     def stats(self) -> EngineStats:
-        e = self._engine
-        c = e.counters
+        """The engine's snapshot, with what waits here before the engine sees it."""
         with self._cv:
-            waiting = e.scheduler.num_waiting + len(self._inbox)
-        cache = e.cache.stats if e.cache is not None else None
-        host = e.host.stats if e.host is not None else None
-        return EngineStats(
-            num_waiting=waiting, num_running=e.scheduler.num_running, max_queue=self._max_queue,
-            prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens,
-            finished={**c.finished, "abort": c.finished.get("abort", 0) + self._unrun_aborts},
-            speculative=e.drafters is not None, spec_verify_steps=c.verify_rounds, spec_accept_length_sum=c.accept_sum,
-            spec_position_accepted=tuple(c.position_accepted),
-            kv_blocks_total=e.pool.num_blocks, kv_blocks_free=e.pool.num_free,
-            kv_blocks_cached=e.cache.num_device_blocks if e.cache is not None else 0,
-            num_preemptions=e.scheduler.num_preemptions,
-            prefix_hit_tokens=cache.hit_tokens if cache else 0, prefix_miss_tokens=cache.miss_tokens if cache else 0,
-            host_hit_tokens=cache.host_hit_tokens if cache else 0,
-            host_blocks_used=e.host.num_used if e.host is not None else 0,
-            device_to_host_blocks=host.device_to_host if host else 0,
-            host_to_device_blocks=host.host_to_device if host else 0,
-            engine_steps=c.steps, spec_steps=c.spec_steps, engine_step_seconds=c.step_s,
-            engine_forward_seconds=c.forward_s,
-            adaptive_choices=dict(e.policy.choices) if e.policy is not None else {},
+            inbox = len(self._inbox)
+            s = self._engine.stats()
+        return dataclasses.replace(
+            s, num_waiting=s.num_waiting + inbox, max_queue=self._max_queue,
+            finished={**s.finished, "abort": s.finished.get("abort", 0) + self._unrun_aborts},
         )
 
     async def shutdown(self, timeout: float) -> None:
@@ -269,17 +243,3 @@ class BatchServingEngine:
         elif text:
             self._emit(job, EngineOutput(job.index, text, len(job.request.prompt_ids), job.produced))
 
-
-def build_batch_engine(llm: LLM, config: EngineConfig, adaptive: bool = True,
-                       profile_path: str | None = None, trace_path: str | None = None) -> BatchEngine:
-    """The continuous-batching engine for a loaded `LLM`; with speculation and `adaptive`, its cost profile
-    is loaded from `profile_path` (or the per-machine default) or measured there first. `trace_path`: a
-    JSON-lines log of every decode pass (`engine/pass_log.py`)."""
-    engine = BatchEngine(llm.model, llm.eos_ids, llm.tokenizer.decode, config, llm.drafter_builder)
-    if trace_path:
-        engine.pass_log = PassLog(Path(trace_path))
-    if adaptive and llm.drafter_builder is not None and engine.max_draft > 0:
-        profile, path = engine_profile(engine, Path(profile_path) if profile_path else None)
-        log.info("adaptive speculation: cost profile %s", path)
-        engine.policy = AdaptivePolicy(profile, engine.max_draft, stepwise=llm.drafter_builder.stepwise)
-    return engine

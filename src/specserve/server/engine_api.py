@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from specserve.engine.engine_config import EngineStats
 from specserve.engine.scheduler import QueueFull
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
@@ -45,46 +46,6 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    max_queue: int
-    prompt_tokens: int
-    generation_tokens: int
-    finished: dict[str, int]  # finish reason -> requests
-    speculative: bool
-    spec_verify_steps: int = 0
-    spec_accept_length_sum: int = 0  # accepted drafts + 1, summed over verify steps
-    spec_position_accepted: tuple[int, ...] = ()  # [i]: verify steps that accepted draft i+1
-    # continuous-batching engine (zero where an engine has no such part)
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_cached: int = 0  # held by the prefix cache
-    num_preemptions: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_miss_tokens: int = 0
-    host_hit_tokens: int = 0  # prefix hits served from the host tier
-    host_blocks_used: int = 0
-    device_to_host_blocks: int = 0
-    host_to_device_blocks: int = 0
-    engine_steps: int = 0
-    engine_step_seconds: float = 0.0
-    engine_forward_seconds: float = 0.0  # target forwards; the rest of a step is host work
-    spec_steps: int = 0  # steps that verified drafts (adaptive speculation may skip some)
-    adaptive_choices: dict[int, int] = field(default_factory=dict)  # draft width -> steps
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    @property
-    def avg_accept_length(self) -> float | None:
-        if not self.speculative:
-            return None
-        return self.spec_accept_length_sum / self.spec_verify_steps if self.spec_verify_steps else 0.0
 
 
 class RequestGroup:

@@ -1,10 +1,11 @@
 """Acceptance of a drafter during training: mean accept length on held-out prompts, optionally as a share
 of a reference drafter's ("ours reaches 64% of the reference's streak").
 
-Decoding is the real speculative loop (`generate_speculative` with a `DrafterBuilder`), on the target the
-trainer already holds. EAGLE-3 drafts a chain of `eagle_steps`; DFlash builds a DDTree of `ddtree_budget`
-nodes. The loop measure (repeated 4-grams of the output) is reported with it: greedy outputs of a small
-target loop, and loops flatter every drafter. Prompts too long for the target's context keep their last tokens.
+Decoding is the serving engine's (`engine/offline.py`, batch-invariant: each prompt decodes as it would
+alone), on the target the trainer already holds. EAGLE-3 drafts a chain of `eagle_steps`; DFlash builds a
+DDTree of `ddtree_budget` nodes. The loop measure (repeated 4-grams of the output) is reported with it:
+greedy outputs of a small target loop, and loops flatter every drafter. Prompts too long for the target's
+context keep their last tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from pathlib import Path
 from specserve.bench.acceptance import repeated_ngram_fraction
 from specserve.bench.suites import load_suite
 from specserve.config import SpeculativeConfig
+from specserve.engine.batch import BatchEngine
+from specserve.engine.engine_config import EngineConfig
+from specserve.engine.offline import generate_batch, kv_blocks_needed
 from specserve.models.llama import CausalLM
-from specserve.speculative.decode import generate_speculative
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
@@ -92,9 +95,12 @@ class AcceptanceEvaluator:
         tokens = 0
         was_training = self.target.training
         self.target.eval()
-        for ids in self.prompts:
-            res = generate_speculative(self.target, builder.for_request, ids, self.params, self.eos_ids,
-                                       builder.max_tree_nodes, self.tokenizer.decode)
+        params = [self.params] * len(self.prompts)
+        blocks = kv_blocks_needed(self.prompts, params, EngineConfig.kv_block_size, builder.max_tree_nodes,
+                                  self.target.config.max_position_embeddings)
+        config = EngineConfig(num_kv_blocks=blocks, max_num_seqs=len(self.prompts), batch_invariant=True)
+        engine = BatchEngine(self.target, self.eos_ids, self.tokenizer.decode, config, builder)
+        for res in generate_batch(engine, self.prompts, params, self.tokenizer.decode):
             steps.extend(res.accept_lengths)
             loops.append(repeated_ngram_fraction(res.token_ids))
             tokens += res.num_tokens
