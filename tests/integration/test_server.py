@@ -263,6 +263,40 @@ def test_greedy_matches_offline_concurrently(which: str, request: pytest.Fixture
         assert m['specserve_spec_position_accept_rate{position="1"}'] <= 1.0
 
 
+def test_per_request_speculative_figures_in_meta_info(spec_server: ServerProcess, tiny_dir: Path) -> None:
+    """Each finished choice carries `meta_info` with SGLang's names, as the offline engine counts them, summing to
+    what `/metrics` counted over the same requests; the streamed last chunk carries it too."""
+    from specserve.config import SpeculativeConfig
+
+    offline_spec = LLM(tiny_dir, device="cpu", speculative=SpeculativeConfig.resolve("NGRAM"))
+    prompts = ["a = 1\nb = 2\n" * 3, PROMPTS[0]]
+    before = metrics(spec_server.url)
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none")
+    metas = []
+    for prompt in prompts:  # one at a time: each request's rounds are its own
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        meta = out.choices[0].model_extra["meta_info"]
+        [want] = offline_spec.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert meta["completion_tokens"] == 24 and meta["spec_verify_ct"] == want.num_verify_steps
+        assert meta["spec_accept_length"] == pytest.approx(want.accept_length, abs=1e-4)
+        assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"]
+        assert meta["spec_accept_token_num"] == sum(i * n for i, n in enumerate(meta["spec_accept_histogram"]))
+        assert 0 <= meta["spec_accept_rate"] <= 1 and meta["spec_draft_token_num"] >= meta["spec_accept_token_num"]
+        metas.append(meta)
+    after = metrics(spec_server.url)
+    steps = after["specserve_spec_accept_length_count"] - before["specserve_spec_accept_length_count"]
+    total = after["specserve_spec_accept_length_sum"] - before["specserve_spec_accept_length_sum"]
+    assert steps == sum(m["spec_verify_ct"] for m in metas)
+    assert total == sum(m["spec_accept_token_num"] + m["spec_verify_ct"] for m in metas)
+    with httpx.stream("POST", spec_server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 12, "stream": True}) as r:
+        chunks = sse(r.iter_lines())
+    last = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(last) == 1 and last[0]["choices"][0]["meta_info"]["completion_tokens"] <= 12
+    assert all("meta_info" not in c["choices"][0] for c in chunks if c["choices"] and c not in last)
+
+
 def test_stream_equals_non_stream_with_stop_string(server: ServerProcess, llm: LLM) -> None:
     full, _, _ = offline(llm, PROMPTS[0], max_new_tokens=40, ignore_eos=True)
     stop = full[12:15]

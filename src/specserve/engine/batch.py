@@ -58,6 +58,10 @@ class _Request:
     drafter: Drafter | None = None
     last_accepted: int | None = None  # drafts its last decided round accepted (verified or shadow)
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify round, bonus included
+    draft_tokens: list[int] = field(default_factory=list)  # draft nodes verified per round
+
+    def stats(self) -> RequestStats:
+        return RequestStats(tuple(self.accept_lengths), self.checker.stop_text_at, tuple(self.draft_tokens))
 
 
 class BatchEngine:
@@ -214,7 +218,7 @@ class BatchEngine:
         for seq in plan.finished:
             gone = self._requests.pop(seq.request_id, None)
             self._count_finish("length")
-            stats = RequestStats(tuple(gone.accept_lengths), gone.checker.stop_text_at) if gone is not None else None
+            stats = gone.stats() if gone is not None else None
             outs.append(StepOutput(seq.request_id, [], "length", stats))
         merge = self._merges(plan)
         if plan.prefills and not merge:
@@ -443,6 +447,7 @@ class BatchEngine:
             for i in range(len(v.accepted)):
                 c.position_accepted[i] += 1
             req.accept_lengths.append(len(path))
+            req.draft_tokens.append(tree.num_nodes)
             if self.policy is not None:
                 self.policy.record_accept(v.accepted, item.num_draft_tokens, self._class(req))
                 req.last_accepted = len(v.accepted)
@@ -462,8 +467,7 @@ class BatchEngine:
         self.scheduler.finish(seq, reason)
         del self._requests[seq.request_id]
         self._count_finish(reason)
-        stats = RequestStats(tuple(req.accept_lengths), req.checker.stop_text_at)
-        return [StepOutput(seq.request_id, kept, reason, stats)]
+        return [StepOutput(seq.request_id, kept, reason, req.stats())]
 
     def _count_finish(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

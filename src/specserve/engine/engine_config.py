@@ -41,6 +41,29 @@ class RequestStats:
 
     accept_lengths: tuple[int, ...]  # tokens committed per verify round (accepted drafts + the bonus token)
     stop_text_at: int | None = None  # char offset of a matched stop string in the decoded output
+    draft_tokens: tuple[int, ...] = ()  # draft nodes verified per round (beside accept_lengths)
+
+    def meta_info(self, completion_tokens: int, speculative: bool) -> dict[str, object]:
+        """Per-request figures under SGLang's `meta_info` names, counted as `/metrics` counts them: a verify
+        round is one draft tree checked by the target; accept length includes the bonus token."""
+        out: dict[str, object] = {"completion_tokens": completion_tokens}
+        if not speculative:
+            return out
+        rounds = len(self.accept_lengths)
+        accepted = sum(self.accept_lengths) - rounds
+        drafted = sum(self.draft_tokens)
+        deepest = max(self.accept_lengths, default=1) - 1
+        out.update({
+            "spec_verify_ct": rounds,
+            "spec_accept_length": round(sum(self.accept_lengths) / rounds, 4) if rounds else 0.0,
+            "spec_accept_token_num": accepted,
+            "spec_draft_token_num": drafted,
+            "spec_accept_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            # [i]: rounds that accepted i drafts; [i] of per_position: rounds that accepted draft i+1
+            "spec_accept_histogram": [sum(1 for n in self.accept_lengths if n - 1 == i) for i in range(deepest + 1)],
+            "spec_accept_per_position": [sum(1 for n in self.accept_lengths if n - 1 > i) for i in range(deepest)],
+        })
+        return out
 
 
 @dataclass(frozen=True)

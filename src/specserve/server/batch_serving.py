@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from specserve.engine.batch import BatchEngine
-from specserve.engine.engine_config import StepOutput
+from specserve.engine.engine_config import RequestStats, StepOutput
 from specserve.engine.llm import LLM
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_api import (
@@ -169,11 +169,14 @@ class BatchServingEngine:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
             self._loop.call_soon_threadsafe(job.group.put, out)
 
-    def _finish(self, job: _Job, reason: str, error: str | None = None, text: str = "") -> None:
+    def _finish(self, job: _Job, reason: str, error: str | None = None, text: str = "",
+                stats: RequestStats | None = None) -> None:
         with self._cv:
             self._jobs.pop(job.request.request_id, None)
         text = text + job.detok.finish() if error is None else ""
-        self._emit(job, EngineOutput(job.index, text, len(job.request.prompt_ids), job.produced, True, reason, error))
+        meta = stats.meta_info(job.produced, self._engine.drafters is not None) if stats is not None else None
+        self._emit(job, EngineOutput(job.index, text, len(job.request.prompt_ids), job.produced, True, reason, error,
+                                     meta))
 
     def _post(self, fn: Callable[[], None]) -> None:
         """Run `fn` (a delivery or a finish) on the delivery thread, in order, or here without overlap."""
@@ -239,7 +242,7 @@ class BatchServingEngine:
         job.produced += len(o.new_token_ids)
         text = job.detok.push(o.new_token_ids) if o.new_token_ids else ""
         if o.finish_reason is not None:
-            self._finish(job, o.finish_reason, text=text)
+            self._finish(job, o.finish_reason, text=text, stats=o.stats)
         elif text:
             self._emit(job, EngineOutput(job.index, text, len(job.request.prompt_ids), job.produced))
 

@@ -104,6 +104,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    meta_info: dict[str, Any] | None = None
 
 
 async def _collect(request: Request, group: RequestGroup, k: int) -> list[_Choice]:
@@ -117,7 +118,7 @@ async def _collect(request: Request, group: RequestGroup, k: int) -> list[_Choic
             if out.error is not None:
                 raise ApiError(500, f"generation failed: {out.error}", code="engine_error")
             if out.finished:
-                c.finish_reason = out.finish_reason
+                c.finish_reason, c.meta_info = out.finish_reason, out.meta_info
     finally:
         watcher.cancel()
         group.abort()
@@ -161,8 +162,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     choices = await _collect(request, group, k)
     resp = r.CompletionResponse(
         id=rid, created=created, model=model,
-        choices=[r.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason)
-                 for i, c in enumerate(choices)],
+        choices=[r.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
+                                    meta_info=c.meta_info) for i, c in enumerate(choices)],
         usage=_usage(prompt_tokens, [c.completion_tokens for c in choices]),
     )
     return JSONResponse(resp.model_dump(exclude_none=True))
@@ -180,7 +181,8 @@ async def stream_completion(group: RequestGroup, rid: str, created: int, model: 
             if not out.text and not out.finished:
                 continue
             choice = r.CompletionChoice(index=out.index, text=out.text,
-                                        finish_reason=out.finish_reason if out.finished else None)
+                                        finish_reason=out.finish_reason if out.finished else None,
+                                        meta_info=out.meta_info if out.finished else None)
             usage = _usage(prompt_tokens, completion) if opts.continuous_usage_stats else None
             yield _sse(r.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage))
         if opts.include_usage:
@@ -259,7 +261,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         msg = r.AssistantMessage(content=text if text or not calls else None,
                                  tool_calls=_tool_calls_out(calls, None) or None)
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        out.append(r.ChatChoice(index=i, message=msg, finish_reason=reason))
+        out.append(r.ChatChoice(index=i, message=msg, finish_reason=reason, meta_info=c.meta_info))
     resp = r.ChatCompletionResponse(id=rid, created=created, model=model, choices=out,
                                     usage=_usage(len(ids), [c.completion_tokens for c in choices]))
     return JSONResponse(resp.model_dump(exclude_none=True))
@@ -271,9 +273,9 @@ async def stream_chat(group: RequestGroup, rid: str, created: int, model: str, k
     num_calls = [0] * k
     completion = [0] * k
 
-    def chunk(index: int, delta: r.ChatDelta, reason: str | None = None) -> str:
+    def chunk(index: int, delta: r.ChatDelta, reason: str | None = None, meta: dict[str, Any] | None = None) -> str:
         usage = _usage(prompt_tokens, completion) if opts.continuous_usage_stats else None
-        choice = r.ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
+        choice = r.ChatChunkChoice(index=index, delta=delta, finish_reason=reason, meta_info=meta)
         return _sse(r.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
     try:
@@ -298,7 +300,7 @@ async def stream_chat(group: RequestGroup, rid: str, created: int, model: str, k
                 num_calls[i] += len(calls)
             if out.finished:
                 reason = "tool_calls" if num_calls[i] and out.finish_reason == "stop" else out.finish_reason
-                yield chunk(i, r.ChatDelta(), reason)
+                yield chunk(i, r.ChatDelta(), reason, out.meta_info)
         if opts.include_usage:
             yield _sse(r.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                              usage=_usage(prompt_tokens, completion)))

@@ -46,6 +46,7 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    meta_info: dict[str, Any] | None = None  # on the last output: per-request figures (`RequestStats.meta_info`)
 
 
 class RequestGroup:

@@ -3,7 +3,7 @@ a misspelt field is a bug caught in tests rather than a silently different answe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,6 +23,7 @@ class CompletionChoice(_Out):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    meta_info: dict[str, Any] | None = None  # extension: per-request figures, SGLang's names (with finish_reason)
 
 
 class CompletionResponse(_Out):
@@ -57,6 +58,7 @@ class ChatChoice(_Out):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str | None = None
+    meta_info: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(_Out):
@@ -79,6 +81,7 @@ class ChatChunkChoice(_Out):
     delta: ChatDelta
     logprobs: None = None
     finish_reason: str | None = None
+    meta_info: dict[str, Any] | None = None  # on the chunk that carries finish_reason
 
 
 class ChatCompletionChunk(_Out):
