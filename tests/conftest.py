@@ -15,6 +15,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_checkpoint
 
+# Tiers (`pytest -m "not server and not train"` is the fast tier; the README's command runs them all).
+SERVER_MODULES = {"test_server", "test_load", "test_bench_real_server", "test_bench_serving", "test_bench_tune",
+                  "test_deploy", "test_cli"}  # start real server (or stub server, or CLI) processes
+TRAIN_MODULES = {"test_train", "test_calibrate"}  # train drafters or a target
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if module in SERVER_MODULES:
+            item.add_marker(pytest.mark.server)
+        if module in TRAIN_MODULES:
+            item.add_marker(pytest.mark.train)
+
+
 # Tiny models gain nothing from a second thread, and one thread per process keeps the test servers (their own
 # processes) from fighting the test process for the two cores.
 torch.set_num_threads(1)
