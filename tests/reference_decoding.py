@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.stops import StopChecker
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.layers.sampling import make_generator, pick, target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.drafter import Drafter
@@ -47,7 +47,7 @@ def generate_plain(
     bsz, longest = len(prompts), max(len(p) for p in prompts)
     pads = [longest - len(p) for p in prompts]
     steps = max(c.limit for c in checkers)
-    cache = KVCache.allocate(cfg, bsz, longest + steps, device, dtype)
+    cache = ContiguousKVCache.allocate(cfg, bsz, longest + steps, device, dtype)
     gen = make_generator(params.seed, device)
 
     ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)], device=device)
@@ -120,7 +120,7 @@ def generate_speculative(
     checker = StopChecker(params, eos_ids, cfg.max_position_embeddings, len(prompt), decode)
     t_start = time.perf_counter()
     max_len = len(prompt) + checker.limit + max_tree_nodes + 2
-    cache = KVCache.allocate(cfg, 1, max_len, device, dtype)
+    cache = ContiguousKVCache.allocate(cfg, 1, max_len, device, dtype)
     gen = make_generator(params.seed, device)
     drafter = make_drafter(params, gen, max_len)
     capture = drafter.capture

@@ -20,7 +20,7 @@ from specserve.engine.batch import MERGE_TOKENS, BatchEngine
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.pass_log import PassLog, read_pass_log
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.kv.paged import PagedKVCache
 from specserve.layers.sampling import target_probs
 from specserve.speculative.dflash.checkpoint import init_random_dflash
@@ -233,7 +233,7 @@ def near_target_builder(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path
 
 def next_token_probs(llm: LLM, ids: list[int]) -> torch.Tensor:
     """The law plain decoding samples the token after `ids` from (`pick` = multinomial of `target_probs`): [V]."""
-    cache = KVCache.allocate(llm.config, 1, len(ids), llm.device, llm.dtype)
+    cache = ContiguousKVCache.allocate(llm.config, 1, len(ids), llm.device, llm.dtype)
     with torch.inference_mode():
         out = llm.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache.view(0, len(ids)), last_only=True)
     assert out.logits is not None

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.models.loader import load_model
 
 from tiny import make_checkpoint
@@ -37,7 +37,7 @@ def test_logits_match_transformers(tmp_path: Path, arch: str, extra: dict[str, A
     ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = ref(ids).logits  # [2, 40, V]
-        cache = KVCache.allocate(cfg, 2, 64, torch.device("cpu"), torch.float32)
+        cache = ContiguousKVCache.allocate(cfg, 2, 64, torch.device("cpu"), torch.float32)
         pos = torch.arange(40)[None].expand(2, 40)
         prefill = ours(ids[:, :30], pos[:, :30], cache.view(0, 30)).logits
         steps = [ours(ids[:, t : t + 1], pos[:, t : t + 1], cache.view(t, 1)).logits for t in range(30, 40)]

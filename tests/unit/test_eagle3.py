@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import specserve.speculative.eagle3.drafter as eagle3_mod
 from reference_decoding import generate_plain, generate_speculative
 from specserve.config import SpeculativeConfig
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
@@ -214,7 +214,7 @@ def test_cached_chunks_equal_full_recomputation(draft: Eagle3Model, target: Caus
     feats = torch.randn(1, n, draft.config.hidden_size, generator=g)
     emb = embed(draft, target, torch.randint(0, V, (n,), generator=g).tolist())
     full = draft(emb, feats, torch.arange(n)[None])  # [1, n, H], causal, no cache
-    kv = KVCache.allocate(draft.config.layer, 1, 16, CPU, torch.float32, num_layers=1)
+    kv = ContiguousKVCache.allocate(draft.config.layer, 1, 16, CPU, torch.float32, num_layers=1)
     outs, start = [], 0
     for q in (4, 1, 3, 1):
         sl = slice(start, start + q)

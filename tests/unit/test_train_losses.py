@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.config import SpeculativeConfig
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
 from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash
@@ -103,7 +103,7 @@ def test_ttt_unroll_equals_step_by_step_drafting(target: CausalLM, eagle: Eagle3
     outs = list(ttt_unroll(eagle, embeds, states, steps))
     feature = eagle.project(states)
     for c in (0, 3, 7):  # the committed token the drafts start from
-        cache = KVCache.allocate(eagle.config.layer, 1, length + steps, CPU, torch.float32, num_layers=1)
+        cache = ContiguousKVCache.allocate(eagle.config.layer, 1, length + steps, CPU, torch.float32, num_layers=1)
         feat = eagle(embeds[:, : c + 1], feature[:, : c + 1], torch.arange(c + 1)[None], cache.view(0, c + 1))[:, -1:]
         torch.testing.assert_close(feat, outs[0][:, c : c + 1], rtol=1e-5, atol=1e-5)
         for k in range(1, steps):

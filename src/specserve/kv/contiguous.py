@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import ModelConfig
+from specserve.kv.view import KVView
 
 
 @dataclass(frozen=True)
-class KVView:
+class ContiguousView(KVView):
     """What one forward may touch: write `q_len` new entries at slot `start`, read slots [0, start+q_len)."""
 
-    cache: KVCache
+    cache: ContiguousKVCache
     start: int
     q_len: int
     mask: torch.Tensor | None  # [B, 1, Q, start+Q] bool (True = attend), None = attend to all
@@ -31,7 +32,7 @@ class KVView:
         return kc[:, :, :end], vc[:, :, :end]
 
 
-class KVCache:
+class ContiguousKVCache:
     """Per-layer tensors [B, Hkv, S_max, D]; the caller tracks how many slots are valid."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
@@ -42,7 +43,7 @@ class KVCache:
     def allocate(
         cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype,
         num_layers: int | None = None,
-    ) -> KVCache:
+    ) -> ContiguousKVCache:
         layers = cfg.num_hidden_layers if num_layers is None else num_layers
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
@@ -53,7 +54,7 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
-    def view(self, start: int, q_len: int, mask: torch.Tensor | None = None, causal: bool = True) -> KVView:
+    def view(self, start: int, q_len: int, mask: torch.Tensor | None = None, causal: bool = True) -> ContiguousView:
         """A view for `q_len` new tokens at slot `start`.
 
         With no mask given and `causal`, new tokens attend to the whole prefix and causally
@@ -63,7 +64,7 @@ class KVCache:
             raise ValueError(f"KV cache holds {self.max_len} slots; {start + q_len} needed")
         if mask is None and causal and q_len > 1:
             mask = causal_mask(start, q_len, self.k[0].device)
-        return KVView(self, start, q_len, mask)
+        return ContiguousView(self, start, q_len, mask)
 
     def move(self, src: torch.Tensor, dst_start: int) -> None:
         """Copy slots `src` [n] (ascending, each >= dst_start) to dst_start..dst_start+n-1, every layer."""

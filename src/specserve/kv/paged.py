@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import ModelConfig
+from specserve.kv.view import KVView
 
 
 class PagedKVCache:
@@ -90,13 +91,13 @@ class PagedKVCache:
 
 
 @dataclass(frozen=True)
-class PagedView:
+class PagedView(KVView):
     """One batch of B rows with up to Q new tokens each; its T tokens' K/V go to write_slots [T], row after row.
 
     Rows of one length: the forward's tokens are [B, Q] (T = B*Q). Packed (`pack` given, rows of several
     lengths): the forward's tokens are [1, T], so the projections and MLPs multiply T rows, not B*Q; `pack` [T]
-    is each token's index in the row-major [B, Q] grid, where attention alone is laid out (`update_packed`,
-    `pad`, `unpad`).
+    is each token's index in the row-major [B, Q] grid, where attention alone is laid out (`update`,
+    `to_grid`, `from_grid`).
     read_slots [B, K] the slots each row attends over (its context, then its new tokens, then padding); mask
     [B, 1, Q, K] bool (True = attend), or None when every row attends to all of `read_slots` (one row, no padding).
     """
@@ -108,11 +109,15 @@ class PagedView:
     pack: torch.Tensor | None = None  # [T] long, positions of the real tokens in the flattened [B, Q] grid
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [B, Hkv, Q, D] -> keys/values each row attends over [B, Hkv, K, D]."""
-        b, h, q, d = k.shape
+        """k, v [B, Hkv, Q, D] (packed: [1, Hkv, T, D]) -> keys/values each row attends over [B, Hkv, K, D]."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[self.write_slots] = k.transpose(1, 2).reshape(b * q, h, d)
-        vc[self.write_slots] = v.transpose(1, 2).reshape(b * q, h, d)
+        if self.pack is not None:
+            kc[self.write_slots] = k[0].transpose(0, 1)  # [T, Hkv, D]
+            vc[self.write_slots] = v[0].transpose(0, 1)
+        else:
+            b, h, q, d = k.shape
+            kc[self.write_slots] = k.transpose(1, 2).reshape(b * q, h, d)
+            vc[self.write_slots] = v.transpose(1, 2).reshape(b * q, h, d)
         return self._gather(kc, vc)
 
     def _gather(self, kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,24 +130,20 @@ class PagedView:
         values = vc.index_select(0, flat).view(rows, k_len, h, d).transpose(1, 2)
         return keys, values
 
-    def update_packed(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [1, Hkv, T, D] of the packed tokens -> keys/values each row attends over [B, Hkv, K, D]."""
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[self.write_slots] = k[0].transpose(0, 1)  # [T, Hkv, D]
-        vc[self.write_slots] = v[0].transpose(0, 1)
-        return self._gather(kc, vc)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, H, T, D] packed -> [B, H, Q, D] (padding positions zero)."""
-        assert self.pack is not None and self.mask is not None
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed: [1, H, T, D] -> [B, H, Q, D] (padding positions zero)."""
+        if self.pack is None:
+            return x
+        assert self.mask is not None
         b, q = self.read_slots.shape[0], self.mask.shape[2]
         h, d = x.shape[1], x.shape[3]
         out = x.new_zeros(b * q, h, d)
         out[self.pack] = x[0].transpose(0, 1)
         return out.view(b, q, h, d).transpose(1, 2)
 
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, Q, D] -> [1, H, T, D], the real tokens in packed order."""
-        assert self.pack is not None
+    def from_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed: [B, H, Q, D] -> [1, H, T, D], the real tokens in packed order."""
+        if self.pack is None:
+            return x
         b, h, q, d = x.shape
         return x.transpose(1, 2).reshape(b * q, h, d)[self.pack].transpose(0, 1)[None]

@@ -1,6 +1,6 @@
 """A KV view over B rows that each keep their own contiguous cache (batch 1), for batched drafting.
 
-Per-request drafters (EAGLE-3) own a small one-layer `KVCache` each. To run one drafter forward for all
+Per-request drafters (EAGLE-3) own a small one-layer `ContiguousKVCache` each. To run one drafter forward for all
 requests of an engine step, `RowsView` writes each row's new K/V into that row's cache and hands attention
 the rows' keys and values padded to the longest, with a mask: row i's query j sees its slots
 [0, starts[i] + j]; padding queries (j >= q_lens[i]) see slot 0 only, so no row of the softmax is empty.
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
+from specserve.kv.view import KVView
 
 
 @dataclass(frozen=True)
-class RowsView:
-    caches: list[KVCache]  # [B], each with batch 1
+class RowsView(KVView):
+    caches: list[ContiguousKVCache]  # [B], each with batch 1
     starts: list[int]  # [B] slot of each row's first new token
     q_lens: list[int]  # [B] new tokens of each row (<= Q)
     mask: torch.Tensor  # [B, 1, Q, K] bool, K = max(starts[i] + q_lens[i])
@@ -37,7 +38,7 @@ class RowsView:
         return keys, values
 
 
-def rows_view(caches: list[KVCache], starts: list[int], q_lens: list[int], device: torch.device) -> RowsView:
+def rows_view(caches: list[ContiguousKVCache], starts: list[int], q_lens: list[int], device: torch.device) -> RowsView:
     for cache, start, q in zip(caches, starts, q_lens, strict=True):
         if start + q > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} slots; {start + q} needed")

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kv.contiguous import KVView
-from specserve.kv.paged import PagedView
+from specserve.kv.view import KVView
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm, rms_norm_rows
 from specserve.layers.rope import RotaryEmbedding, apply_rope
@@ -47,7 +46,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: int,
-        kv: KVView | PagedView | None,
+        kv: KVView | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
@@ -61,13 +60,9 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, Hq+Hkv, Q, D]
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = v.transpose(1, 2)  # [B, Hkv, Q, D]
-        if isinstance(kv, PagedView) and kv.pack is not None:  # x is [1, T, H]: attention alone laid out per row
-            k, v = kv.update_packed(layer, k, v)
-            out = kv.unpad(attend(kv.pad(q), k, v, kv.mask, self.scale))  # [1, Hq, T, D]
-        elif kv is not None:
+        if kv is not None:  # a packed paged forward lays attention alone out per row (`KVView.to_grid`)
             k, v = kv.update(layer, k, v)
-            mask = kv.mask
-            out = attend(q, k, v, mask, self.scale)
+            out = kv.from_grid(attend(kv.to_grid(q), k, v, kv.mask, self.scale))
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale,
                                                  enable_gqa=self.n_heads != self.n_kv)
@@ -98,7 +93,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-        kv: KVView | PagedView | None, mask: torch.Tensor | None,
+        kv: KVView | None, mask: torch.Tensor | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -135,7 +130,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, Q]
         positions: torch.Tensor,  # [B, Q] RoPE positions
-        kv: KVView | PagedView | None = None,
+        kv: KVView | None = None,
         mask: torch.Tensor | None = None,  # [B|1, 1, Q, K] bool, only used without kv
         capture: tuple[int, ...] = (),  # indices into HF's hidden_states tuple (0 = embeddings)
         last_only: bool = False,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.layers.sampling import sample, target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.drafter import Drafter
@@ -37,7 +37,7 @@ class DraftModelDrafter(Drafter):
         self.params = params
         self.gen = generator
         self.device = draft.lm_head.weight.device
-        self.cache = KVCache.allocate(draft.config, 1, max_len + spec.num_draft_tokens + 2, self.device,
+        self.cache = ContiguousKVCache.allocate(draft.config, 1, max_len + spec.num_draft_tokens + 2, self.device,
                                       draft.lm_head.weight.dtype)
         self.length = 0  # committed tokens in the draft KV
         self.pending: list[int] = []  # committed tokens not yet fed to the draft model

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.kv.contiguous import KVCache, KVView
+from specserve.kv.contiguous import ContiguousKVCache, ContiguousView
 from specserve.models.llama import CausalLM
 from specserve.speculative.eagle3.checkpoint import init_random_eagle3, load_eagle3, save_eagle3
 from specserve.speculative.eagle3.model import Eagle3Model
@@ -71,7 +71,7 @@ def ttt_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class UnrolledKV(KVView):
+class UnrolledKV(ContiguousView):
     """A KV view for the unrolled training forward: earlier steps' keys/values live in `past` (autograd keeps
     them) instead of a cache tensor; `update` appends this step's and returns all of them."""
 
@@ -94,7 +94,7 @@ def ttt_unroll(
     feature = model.project(target_states)  # [B, L, H]
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in range(steps):
-        out = model(embeds, feature, positions, UnrolledKV(KVCache([], []), 0, length,
+        out = model(embeds, feature, positions, UnrolledKV(ContiguousKVCache([], []), 0, length,
                                                            ttt_mask(length, i, embeds.device), past))
         yield out
         feature = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)  # slot s gets slot s-1's output

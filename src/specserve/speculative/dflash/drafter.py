@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.dflash.checkpoint import check_against_target, dflash_block_size
@@ -62,7 +62,7 @@ class DFlashDrafter(Drafter):
         self.params, self.gen = params, generator
         weight = draft.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.cache = KVCache.allocate(cfg.body, 1, max_len, self.device, self.dtype,
+        self.cache = ContiguousKVCache.allocate(cfg.body, 1, max_len, self.device, self.dtype,
                                       num_layers=cfg.body.num_hidden_layers)
         self.length = 0  # context slots filled = tokens in the target's KV (once `_pending` is flushed)
         self._pending: list[torch.Tensor] = []  # [T_i, n*H] captured states accepted since the last propose

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rope import RotaryEmbedding, apply_rope
@@ -261,14 +261,15 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, cos, sin, k, v, mask, outputs if i == last else None)
         return self.norm(x)
 
-    def append_context(self, cache: KVCache, start: int, features: torch.Tensor, positions: torch.Tensor) -> None:
+    def append_context(self, cache: ContiguousKVCache, start: int, features: torch.Tensor,
+                       positions: torch.Tensor) -> None:
         """Write the context K/V of features [B, T, n*H] at positions [B, T] into cache slots [start, start+T)."""
         view = cache.view(start, features.shape[1], causal=False)
         for i, (k, v) in enumerate(self.context_kv(features, positions)):
             view.update(i, k, v)
 
     @staticmethod
-    def cached_context(cache: KVCache, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def cached_context(cache: ContiguousKVCache, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.k, cache.v, strict=True)]
 
     def train_blocks(self, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor,

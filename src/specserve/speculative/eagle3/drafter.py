@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.kv.contiguous import KVCache
+from specserve.kv.contiguous import ContiguousKVCache
 from specserve.kv.rows import rows_view
 from specserve.layers.sampling import sample, target_probs
 from specserve.models.llama import CausalLM
@@ -53,7 +53,8 @@ class Eagle3Drafter(Drafter):
         self.dtype = model.lm_head.weight.dtype
         # Fed draft nodes per round: the root plus topk per step but the last (one per step for a chain).
         self.max_fed = 1 + (spec.num_steps - 1) * spec.eagle_topk
-        self.kv = KVCache.allocate(cfg.layer, 1, max_len + self.max_fed, self.device, self.dtype, num_layers=1)
+        self.kv = ContiguousKVCache.allocate(cfg.layer, 1, max_len + self.max_fed, self.device, self.dtype,
+                                             num_layers=1)
         self.committed = 0  # drafter KV slots holding complete pairs (= target positions before the root)
         # [n_i, 3·Ht] parts of the features awaiting their next token (concatenated once, at the next commit);
         # None right after a commit, until accept()

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kv.contiguous import KVView, causal_mask
-from specserve.kv.rows import RowsView
+from specserve.kv.contiguous import causal_mask
+from specserve.kv.view import KVView
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rope import RotaryEmbedding, apply_rope
@@ -131,7 +131,7 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, self.n_kv * c.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | RowsView | None,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         b, q_len, _ = x.shape  # x: [B, Q, 2H]
         q = apply_rope(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -139,7 +139,7 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, Q, D]
         if kv is not None:
             k, v = kv.update(0, k, v)
-            mask = kv.mask
+            mask = kv.mask  # drafter views are never packed (`KVView.to_grid` is the identity)
         elif mask is None and q_len > 1:
             mask = causal_mask(0, q_len, x.device)
         out = attend(q, k, v, mask, self.head_dim**-0.5)  # [B, Hq, Q, D]
@@ -169,7 +169,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(c)
 
     def forward(self, embeds: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVView | RowsView | None, mask: torch.Tensor | None) -> torch.Tensor:
+                kv: KVView | None, mask: torch.Tensor | None) -> torch.Tensor:
         normed = self.hidden_norm(feature)
         residual = normed if self.norm_before_residual else feature
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [B, Q, 2H]
@@ -202,7 +202,7 @@ class Eagle3Model(nn.Module):
         embeds: torch.Tensor,  # [B, Q, H] token embeddings
         feature: torch.Tensor,  # [B, Q, H] fc(target states) or a previous output
         positions: torch.Tensor,  # [B, Q]
-        kv: KVView | RowsView | None = None,
+        kv: KVView | None = None,
         mask: torch.Tensor | None = None,  # [B|1, 1, Q, K] bool, only used without kv (default causal)
     ) -> torch.Tensor:  # [B, Q, H]
         cos, sin = self.rotary.cos_sin(positions, feature.dtype)
