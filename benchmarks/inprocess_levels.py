@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--lockstep", action="store_true",
                     help="run each level on all engines at once, one step of each in turn (see the docstring)")
     ap.add_argument("--keep-logs", type=Path, default=None,
-                    help="folder to keep every engine's pass log in (for benchmarks/pass_log_summary.py)")
+                    help="folder to keep every engine's pass log in (for `specserve bench trace`)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

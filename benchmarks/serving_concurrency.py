@@ -16,7 +16,7 @@ tree (`ratio_to_against`).
 
 Prints ONE JSON object (per configuration and level: tok/s, accept length, ratio to NONE; NONE's batching ratio,
 c=16 over c=1). With --out also a markdown table beside it and the server logs (NAME.logs/), each with its
-per-pass log for `pass_log_summary.py`. Exit code 0, 1 when some configuration failed, 2 for bad flags.
+per-pass log for `specserve bench trace`. Exit code 0, 1 when some configuration failed, 2 for bad flags.
 """
 
 from __future__ import annotations

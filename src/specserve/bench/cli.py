@@ -1,4 +1,4 @@
-"""`specserve bench serving`, `specserve bench compare` and `specserve bench tune`.
+"""`specserve bench serving`, `compare`, `tune` and `trace`.
 
 The main CLI wires these in with `add_bench_parsers(bench_subparsers)`; every parser sets
 `func`, a handler taking the parsed namespace and returning the exit code.
@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from specserve.bench.serving_cli import add_serving_parser, cmd_serving, concurrency_list
+from specserve.bench.trace import add_trace_parser
 from specserve.bench.tune import cmd_tune
 
 
 def add_bench_parsers(subparsers: Any) -> None:
-    """Adds `serving`, `compare` and `tune` to the `specserve bench` subparsers (an argparse _SubParsersAction)."""
+    """Adds `serving`, `compare`, `tune` and `trace` to the `specserve bench` subparsers (an argparse
+    _SubParsersAction)."""
     add_serving_parser(subparsers)
+    add_trace_parser(subparsers)
 
     c = subparsers.add_parser("compare", help="markdown tables and a plot from serving/acceptance run JSONs")
     c.add_argument("runs", nargs="+", type=Path, help="run JSONs; the first is the baseline")

@@ -1,7 +1,4 @@
-"""Per level of a served run, speculating passes against plain passes of the same level, from a server's
-`--speculative-adaptive-trace` log (`benchmarks/serving_concurrency.py --out` keeps one per server).
-
-    python benchmarks/pass_log_summary.py runs/serving/RUN.logs/*.passes.jsonl
+"""`specserve bench trace`: what a server's `--speculative-adaptive-trace` log says, level by level.
 
 A served benchmark runs each level on each server in turn, so a server's log is a series of busy stretches
 separated by idle ones: each stretch (split where no pass came for --gap seconds) is one level (or a warm-up).
@@ -9,15 +6,11 @@ Within a stretch the machine's state is about the same for both kinds of pass, s
 choices paid at the time they were made. Only passes with at least 3/4 of the stretch's peak batch count;
 catch-up passes (a joining request's drafter taking in its prompt) are left out of the speculating ones.
 
-Prints ONE JSON object: per log, per stretch its peak batch, passes, share speculating, tok/s of speculating and
-of plain passes and their ratio (null where one kind is missing); and where the stretch's wall time went: decode
-passes, prefill passes (of which drafters taking in prompts), and the rest (`outside_s`). Give the plain server's
-log too to compare the two stretch by stretch.
-
---after-speculation B: per log also the plain passes of at least B requests by how many plain passes came since
-the last speculating one, each position's median seconds per request over that of passes 9+ after.
---widths-at B: per log also the decode passes of exactly B requests by draft width, and the ceiling (speculating
-passes' tok/s over plain passes'), a bound on what a level that speculates in nearly every pass can gain.
+Per log, per stretch: its peak batch, passes, share speculating, tok/s of speculating and of plain passes and their
+ratio (null where one kind is missing), and where the stretch's wall time went (decode passes, prefill passes, of
+which drafters taking in prompts, and the rest: `outside_s`). `--after-speculation B`: plain passes by their
+distance from the last speculating one; `--widths-at B`: decode passes of exactly B requests by draft width, and
+the ceiling (speculating passes' tok/s over plain passes').
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,31 +103,49 @@ def widths_at(passes: list[dict[str, float]], batch: int) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("pass_log", type=Path, nargs="+")
-    ap.add_argument("--gap", type=float, default=1.0, help="idle seconds that end a stretch")
-    ap.add_argument("--min-batch", type=int, default=4, help="leave out stretches of a smaller peak batch")
-    ap.add_argument("--after-speculation", type=int, default=None, metavar="B",
-                    help="also: plain passes of at least B requests by their distance from the last speculating "
-                         "pass, against warm ones (`after_speculation`)")
-    ap.add_argument("--widths-at", type=int, default=None, metavar="B",
-                    help="also: decode passes of exactly B requests by draft width, and the ceiling (`widths_at`)")
-    a = ap.parse_args()
+def summarize_logs(paths: list[Path], gap: float = 1.0, min_batch: int = 4, after: int | None = None,
+                   widths: int | None = None) -> dict[str, Any]:
     logs = []
-    for path in a.pass_log:
-        rows = [summarize(s) for s in stretches(read_pass_log(path, kind=None), a.gap)]
-        entry: dict[str, Any] = {"pass_log": str(path),
-                                 "stretches": [r for r in rows if r["peak_batch"] >= a.min_batch]}
+    for path in paths:
+        rows = [summarize(s) for s in stretches(read_pass_log(path, kind=None), gap)]
+        entry: dict[str, Any] = {"pass_log": str(path), "stretches": [r for r in rows if r["peak_batch"] >= min_batch]}
         decodes = read_pass_log(path)
-        if a.after_speculation is not None:
-            entry["plain_after_speculation"] = after_speculation(decodes, a.after_speculation)
-        if a.widths_at is not None:
-            entry["widths_at"] = widths_at(decodes, a.widths_at)
+        if after is not None:
+            entry["plain_after_speculation"] = after_speculation(decodes, after)
+        if widths is not None:
+            entry["widths_at"] = widths_at(decodes, widths)
         logs.append(entry)
-    print(json.dumps({"logs": logs}, indent=1))
+    return {"kind": "trace", "logs": logs}
+
+
+def add_trace_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("trace", help="summarize --speculative-adaptive-trace logs, level by level",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pass_log", type=Path, nargs="+", help="JSON-lines logs (`serve --speculative-adaptive-trace`)")
+    p.add_argument("--gap", type=float, default=1.0, help="idle seconds that end a stretch")
+    p.add_argument("--min-batch", type=int, default=4, help="leave out stretches of a smaller peak batch")
+    p.add_argument("--after-speculation", type=int, default=None, metavar="B",
+                   help="also: plain passes of at least B requests by their distance from the last speculating "
+                        "pass, against warm ones")
+    p.add_argument("--widths-at", type=int, default=None, metavar="B",
+                   help="also: decode passes of exactly B requests by draft width, and the ceiling")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here too")
+    p.set_defaults(func=cmd_trace)
+
+
+def cmd_trace(a: argparse.Namespace) -> int:
+    missing = [str(p) for p in a.pass_log if not p.is_file()]
+    if missing:
+        print(f"error: no trace log at {', '.join(missing)} (serve with --speculative-adaptive-trace FILE)",
+              file=sys.stderr)
+        return 2
+    try:
+        report = summarize_logs(list(a.pass_log), a.gap, a.min_batch, a.after_speculation, a.widths_at)
+    except (ValueError, KeyError) as e:
+        print(f"error: not a trace log ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=1)
+    if a.out is not None:
+        a.out.write_text(text + "\n")
+    print(text)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
