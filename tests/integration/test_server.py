@@ -117,7 +117,7 @@ def test_detokenizer_holds_back_stop_strings_and_partial_utf8(tiny_dir: Path) ->
     text = "naïve 日本 code() STOP after"
     ids = [*tok.encode(text), eos]
     for stops, expected in (((), text), (("STOP",), "naïve 日本 code() "), (("e() S", "zz"), "naïve 日本 cod")):
-        d = IncrementalDetokenizer(tok.decode, True, {eos}, stops)
+        d = IncrementalDetokenizer(tok, True, {eos}, stops)
         deltas = [d.push([t]) for t in ids]
         assert not any("\ufffd" in x for x in deltas)
         assert "".join(deltas) + d.finish() == expected

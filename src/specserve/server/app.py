@@ -16,7 +16,8 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,7 +25,7 @@ from specserve.server import responses as r
 from specserve.server.completions import ServerState, create_chat_completion, create_completion
 from specserve.server.engine_api import ServingEngine
 from specserve.server.errors import ApiError
-from specserve.server.metrics import CONTENT_TYPE, ResponseCounter, render_metrics
+from specserve.server.metrics import CONTENT_TYPE, ResponseCounter, metrics_registry
 from specserve.server.serve_config import ServeConfig
 
 log = logging.getLogger("specserve.server")
@@ -64,6 +65,7 @@ class CountResponses:
 def create_app(engine: ServingEngine, cfg: ServeConfig) -> FastAPI:
     state = ServerState(engine, cfg)
     counter = ResponseCounter(ROUTES)
+    registry = metrics_registry(engine.stats, counter.snapshot)  # read at scrape time, one per app
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,7 +112,7 @@ def create_app(engine: ServingEngine, cfg: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(render_metrics(engine.stats(), counter.snapshot()), media_type=CONTENT_TYPE)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     @app.get("/server_info", dependencies=auth)
     @app.get("/get_server_info", dependencies=auth, include_in_schema=False)

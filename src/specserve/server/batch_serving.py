@@ -117,7 +117,7 @@ class BatchServingEngine:
             for i, r in enumerate(requests):
                 p = r.params
                 stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._llm.eos_ids))
-                detok = IncrementalDetokenizer(self._llm.tokenizer.decode, r.skip_special_tokens, stop_ids, p.stop)
+                detok = IncrementalDetokenizer(self._llm.tokenizer, r.skip_special_tokens, stop_ids, p.stop)
                 job = _Job(r, i, group, detok)
                 self._inbox.append(job)
                 self._jobs[r.request_id] = job

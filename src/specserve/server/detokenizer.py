@@ -1,17 +1,24 @@
 """Token ids in, text deltas out: what a streaming response may send now, and what it ends with.
 
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, stop_token_ids, stops)
+    detok.push(ids) -> delta, ..., detok.finish() -> the rest
+
 The concatenated deltas equal the final text of the request, which is what a non-streaming response
 returns: the decoded completion without its closing stop token, cut before the first stop string.
-Two things are held back until they are decided: an incomplete UTF-8 sequence (the decoder shows it as
-U+FFFD), and a suffix of the text that may be the start of a stop string.
+Two things are held back until they are decided: an incomplete UTF-8 sequence (`tokenizers`' DecodeStream,
+`Tokenizer.decode_stream`, decodes incrementally and waits for it), and a suffix of the text that may be
+the start of a stop string (ours: `stop_cut`, `undecided_tail`). Where a decoder is not prefix-stable
+(DecodeStream refuses), nothing more streams and `finish` sends the rest if it still extends what was sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from specserve.tokenizer import Tokenizer
+
 #: (token ids, skip_special_tokens) -> text
-Decode = Callable[[list[int], bool], str]
+
 
 def stop_cut(text: str, stops: Iterable[str]) -> int:
     """Where the first stop string starts in `text`, else len(text)."""
@@ -31,31 +38,28 @@ def undecided_tail(text: str, stops: Iterable[str]) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode, skip_special_tokens: bool, stop_token_ids: Iterable[int],
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool, stop_token_ids: Iterable[int],
                  stops: tuple[str, ...]) -> None:
-        self._decode = decode
+        self._decode = tok.decode
+        self._step: Callable[[list[int]], str] | None = tok.decode_stream(skip_special_tokens)  # None: stopped
         self._skip = skip_special_tokens
         self._stop_ids = frozenset(stop_token_ids)
         self._stops = stops
         self._ids: list[int] = []
-        # ids[prefix:read] were decoded last time; decoding them again in front of the new ids makes
-        # tokenizers that treat a leading token specially (sentencepiece spaces) come out right
-        self._prefix = 0
-        self._read = 0
         self._text = ""  # decoded so far
         self._sent = 0  # characters of _text already handed out
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add committed tokens; return the text that can be sent now."""
-        self._ids.extend(t for t in token_ids if t not in self._stop_ids)
-        if len(self._ids) == self._read:
+        new = [t for t in token_ids if t not in self._stop_ids]
+        self._ids.extend(new)
+        if not new or self._step is None:
             return ""
-        before = self._decode(self._ids[self._prefix : self._read], self._skip)
-        after = self._decode(self._ids[self._prefix :], self._skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._text += after[len(before) :]
-            self._prefix = self._read
-            self._read = len(self._ids)
+        try:
+            self._text += self._step(new)
+        except ValueError:  # the decoder is not prefix-stable: the rest waits for finish()
+            self._step = None
+            return ""
         limit = len(self._text)
         if self._stops:
             start = max(0, self._sent - max(len(s) for s in self._stops))
@@ -74,7 +78,7 @@ class IncrementalDetokenizer:
         if not full.startswith(self._text[: self._sent]):  # a decoder that is not prefix-stable
             return ""
         delta = full[self._sent :]
-        self._sent = len(full)
+        self._text, self._sent = full, len(full)
         return delta
 
     @property

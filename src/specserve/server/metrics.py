@@ -1,21 +1,32 @@
-"""`/metrics` in the Prometheus text exposition format (0.0.4), written by hand.
+"""`/metrics` in the Prometheus text exposition format (0.0.4), written by `prometheus_client`.
 
-HTTP responses are counted by `ResponseCounter` (an ASGI middleware updates it on the event loop);
-everything else comes from the engine's `EngineStats` snapshot at scrape time. Speculative metrics
-appear only when the server speculates:
+    registry = metrics_registry(engine.stats, counter.snapshot)   # one per app: no module-global state
+    body = generate_latest(registry)                               # served with CONTENT_TYPE
+
+`EngineCollector` reads the engine's `EngineStats` snapshot and the HTTP response counts at scrape time,
+so the counters stay where they are kept (the engine, `ResponseCounter`) and the library only writes
+the text. HTTP responses are counted by `ResponseCounter` (an ASGI middleware updates it on the event
+loop), a plain dict rather than a `prometheus_client.Counter`, whose extra `_created` series would add
+names. Speculative metrics appear only when the server speculates:
   specserve_spec_accept_length (summary: _sum = accepted drafts + 1 summed over verify steps, _count = steps),
   specserve_spec_accepted_tokens_total{position} and specserve_spec_position_accept_rate{position}
   (the share of verify steps that accepted draft token `position`).
+Counter names are given with their `_total`; the library keeps it on the sample lines and on # HELP/# TYPE.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 from specserve.server.engine_api import EngineStats
 
+# the 0.0.4 text format that `generate_latest` writes (the library's CONTENT_TYPE_LATEST names a newer one)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+Responses = dict[tuple[str, int], int]  # (route, status) -> responses
 
 
 class ResponseCounter:
@@ -23,98 +34,104 @@ class ResponseCounter:
 
     def __init__(self, routes: Iterable[str]) -> None:
         self.routes = frozenset(routes)
-        self._counts: dict[tuple[str, int], int] = {}
+        self._counts: Responses = {}
 
     def record(self, path: str, status: int) -> None:
         key = (path if path in self.routes else "other", status)
         self._counts[key] = self._counts.get(key, 0) + 1
 
-    def snapshot(self) -> dict[tuple[str, int], int]:
+    def snapshot(self) -> Responses:
         return dict(self._counts)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class EngineCollector:
+    """A `prometheus_client` collector over snapshots taken when the registry is scraped."""
+
+    def __init__(self, stats: Callable[[], EngineStats], responses: Callable[[], Responses]) -> None:
+        self._stats = stats
+        self._responses = responses
+
+    def collect(self) -> Iterator[Metric]:
+        yield from engine_metrics(self._stats(), self._responses())
 
 
-def _fmt(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
+def metrics_registry(stats: Callable[[], EngineStats], responses: Callable[[], Responses]) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(stats, responses))
+    return registry
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_text: str,
-               samples: Iterable[tuple[str, dict[str, Any], float]]) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for suffix, labels, value in samples:
-            lab = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-            self.lines.append(f"{name}{suffix}{{{lab}}} {_fmt(value)}" if lab else f"{name}{suffix} {_fmt(value)}")
+def _family(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, help_text: str,
+            samples: Iterable[tuple[dict[str, object], float]]) -> Metric:
+    samples = list(samples)
+    labels = list(samples[0][0]) if samples else []
+    family = kind(name, help_text, labels=labels)
+    for values, value in samples:
+        family.add_metric([str(v) for v in values.values()], value)
+    return family
 
 
-def render_metrics(stats: EngineStats, responses: dict[tuple[str, int], int]) -> str:
-    w = _Writer()
+def _counter(name: str, help_text: str, samples: Iterable[tuple[dict[str, object], float]]) -> Metric:
+    return _family(CounterMetricFamily, name, help_text, samples)
+
+
+def _gauge(name: str, help_text: str, samples: Iterable[tuple[dict[str, object], float]]) -> Metric:
+    return _family(GaugeMetricFamily, name, help_text, samples)
+
+
+def engine_metrics(stats: EngineStats, responses: Responses) -> Iterator[Metric]:
     p = "specserve_"
-    w.family(p + "http_requests_total", "counter", "HTTP responses by route and status code.",
-             [("", {"route": r, "status": s}, n) for (r, s), n in sorted(responses.items())])
-    w.family(p + "http_errors_total", "counter", "HTTP error responses (status >= 400) by status code.",
-             [("", {"status": s}, n) for s, n in sorted(_by_status(responses).items()) if s >= 400])
-    w.family(p + "requests_finished_total", "counter", "Generation requests finished, by finish reason.",
-             [("", {"finish_reason": r}, n) for r, n in sorted(stats.finished.items())])
-    w.family(p + "prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-             [("", {}, stats.prompt_tokens)])
-    w.family(p + "generation_tokens_total", "counter", "Tokens generated by finished requests.",
-             [("", {}, stats.generation_tokens)])
-    w.family(p + "num_queue_reqs", "gauge", "Requests waiting in the queue.", [("", {}, stats.num_waiting)])
-    w.family(p + "num_running_reqs", "gauge", "Requests being generated.", [("", {}, stats.num_running)])
-    w.family(p + "max_queue_reqs", "gauge", "Queue bound (--max-queue); beyond it requests get 503.",
-             [("", {}, stats.max_queue)])
+    yield _counter(p + "http_requests_total", "HTTP responses by route and status code.",
+                   [({"route": r, "status": s}, n) for (r, s), n in sorted(responses.items())])
+    yield _counter(p + "http_errors_total", "HTTP error responses (status >= 400) by status code.",
+                   [({"status": s}, n) for s, n in sorted(_by_status(responses).items()) if s >= 400])
+    yield _counter(p + "requests_finished_total", "Generation requests finished, by finish reason.",
+                   [({"finish_reason": r}, n) for r, n in sorted(stats.finished.items())])
+    yield _counter(p + "prompt_tokens_total", "Prompt tokens of finished requests.", [({}, stats.prompt_tokens)])
+    yield _counter(p + "generation_tokens_total", "Tokens generated by finished requests.",
+                   [({}, stats.generation_tokens)])
+    yield _gauge(p + "num_queue_reqs", "Requests waiting in the queue.", [({}, stats.num_waiting)])
+    yield _gauge(p + "num_running_reqs", "Requests being generated.", [({}, stats.num_running)])
+    yield _gauge(p + "max_queue_reqs", "Queue bound (--max-queue); beyond it requests get 503.",
+                 [({}, stats.max_queue)])
     if stats.kv_blocks_total:
-        w.family(p + "kv_blocks_total", "gauge", "KV cache blocks in the device pool.",
-                 [("", {}, stats.kv_blocks_total)])
-        w.family(p + "kv_blocks_free", "gauge", "Free KV cache blocks.", [("", {}, stats.kv_blocks_free)])
-        w.family(p + "kv_blocks_cached", "gauge", "KV blocks held by the prefix cache.",
-                 [("", {}, stats.kv_blocks_cached)])
-        w.family(p + "token_usage", "gauge", "Fraction of KV blocks in use (cached blocks included).",
-                 [("", {}, stats.kv_usage)])
-        w.family(p + "num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV blocks.",
-                 [("", {}, stats.num_preemptions)])
-        w.family(p + "prefix_cache_tokens_total", "counter", "Prompt tokens looked up in the prefix cache, by result.",
-                 [("", {"result": "hit"}, stats.prefix_hit_tokens), ("", {"result": "miss"}, stats.prefix_miss_tokens)])
-        w.family(p + "hicache_host_hit_tokens_total", "counter", "Prefix-hit tokens brought back from the host tier.",
-                 [("", {}, stats.host_hit_tokens)])
-        w.family(p + "hicache_host_blocks", "gauge", "KV blocks held in the host tier.",
-                 [("", {}, stats.host_blocks_used)])
-        w.family(p + "hicache_moves_total", "counter", "KV blocks moved between tiers, by direction.",
-                 [("", {"direction": "device_to_host"}, stats.device_to_host_blocks),
-                  ("", {"direction": "host_to_device"}, stats.host_to_device_blocks)])
-        w.family(p + "engine_steps_total", "counter", "Engine steps (batched forwards of the target).",
-                 [("", {}, stats.engine_steps)])
-        w.family(p + "engine_seconds_total", "counter",
-                 "Engine step time, by part: target forwards vs host work (scheduling, drafting, verification).",
-                 [("", {"part": "forward"}, stats.engine_forward_seconds),
-                  ("", {"part": "host"}, stats.engine_step_seconds - stats.engine_forward_seconds)])
+        yield _gauge(p + "kv_blocks_total", "KV cache blocks in the device pool.", [({}, stats.kv_blocks_total)])
+        yield _gauge(p + "kv_blocks_free", "Free KV cache blocks.", [({}, stats.kv_blocks_free)])
+        yield _gauge(p + "kv_blocks_cached", "KV blocks held by the prefix cache.", [({}, stats.kv_blocks_cached)])
+        yield _gauge(p + "token_usage", "Fraction of KV blocks in use (cached blocks included).",
+                     [({}, stats.kv_usage)])
+        yield _counter(p + "num_preemptions_total", "Requests preempted (recomputed later) for lack of KV blocks.",
+                       [({}, stats.num_preemptions)])
+        yield _counter(p + "prefix_cache_tokens_total", "Prompt tokens looked up in the prefix cache, by result.",
+                       [({"result": "hit"}, stats.prefix_hit_tokens), ({"result": "miss"}, stats.prefix_miss_tokens)])
+        yield _counter(p + "hicache_host_hit_tokens_total", "Prefix-hit tokens brought back from the host tier.",
+                       [({}, stats.host_hit_tokens)])
+        yield _gauge(p + "hicache_host_blocks", "KV blocks held in the host tier.", [({}, stats.host_blocks_used)])
+        yield _counter(p + "hicache_moves_total", "KV blocks moved between tiers, by direction.",
+                       [({"direction": "device_to_host"}, stats.device_to_host_blocks),
+                        ({"direction": "host_to_device"}, stats.host_to_device_blocks)])
+        yield _counter(p + "engine_steps_total", "Engine steps (batched forwards of the target).",
+                       [({}, stats.engine_steps)])
+        yield _counter(p + "engine_seconds_total",
+                       "Engine step time, by part: target forwards vs host work (scheduling, drafting, verification).",
+                       [({"part": "forward"}, stats.engine_forward_seconds),
+                        ({"part": "host"}, stats.engine_step_seconds - stats.engine_forward_seconds)])
     if stats.speculative:
-        w.family(p + "spec_steps_total", "counter", "Engine steps that verified draft tokens.",
-                 [("", {}, stats.spec_steps)])
+        yield _counter(p + "spec_steps_total", "Engine steps that verified draft tokens.", [({}, stats.spec_steps)])
         if stats.adaptive_choices:
-            w.family(p + "spec_adaptive_width_steps_total", "counter",
-                     "Steps per draft width chosen by adaptive speculation (0 = plain decoding).",
-                     [("", {"width": k}, n) for k, n in sorted(stats.adaptive_choices.items())])
-        w.family(p + "spec_accept_length", "summary", "Accept length per verify step (accepted drafts + 1).",
-                 [("_sum", {}, stats.spec_accept_length_sum), ("_count", {}, stats.spec_verify_steps)])
-        w.family(p + "spec_accepted_tokens_total", "counter", "Verify steps that accepted the draft at a position.",
-                 [("", {"position": i + 1}, n) for i, n in enumerate(stats.spec_position_accepted)])
+            yield _counter(p + "spec_adaptive_width_steps_total",
+                           "Steps per draft width chosen by adaptive speculation (0 = plain decoding).",
+                           [({"width": k}, n) for k, n in sorted(stats.adaptive_choices.items())])
+        yield SummaryMetricFamily(p + "spec_accept_length", "Accept length per verify step (accepted drafts + 1).",
+                                  count_value=stats.spec_verify_steps, sum_value=stats.spec_accept_length_sum)
+        yield _counter(p + "spec_accepted_tokens_total", "Verify steps that accepted the draft at a position.",
+                       [({"position": i + 1}, n) for i, n in enumerate(stats.spec_position_accepted)])
         steps = max(1, stats.spec_verify_steps)
-        w.family(p + "spec_position_accept_rate", "gauge",
-                 "Share of verify steps that accepted the draft at a position.",
-                 [("", {"position": i + 1}, n / steps) for i, n in enumerate(stats.spec_position_accepted)])
-    return "\n".join(w.lines) + "\n"
+        yield _gauge(p + "spec_position_accept_rate", "Share of verify steps that accepted the draft at a position.",
+                     [({"position": i + 1}, n / steps) for i, n in enumerate(stats.spec_position_accepted)])
 
 
-def _by_status(responses: dict[tuple[str, int], int]) -> dict[int, int]:
+def _by_status(responses: Responses) -> dict[int, int]:
     out: dict[int, int] = {}
     for (_, status), n in responses.items():
         out[status] = out.get(status, 0) + n
