@@ -13,8 +13,8 @@ the only team.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,18 +22,5 @@ T = TypeVar("T")
 
 def run_in_passing_thread(fn: Callable[[], T], name: str = "specserve-load") -> T:
     """Run `fn` in a new thread that ends with it; return its result or raise its exception here."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as err:  # handed to the caller, KeyboardInterrupt and SystemExit included
-            error.append(err)
-
-    thread = threading.Thread(target=target, name=name)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:  # its one thread exits at the `with`'s end
+        return pool.submit(fn).result()
