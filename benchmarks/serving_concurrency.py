@@ -6,13 +6,18 @@
 Starts a `specserve serve` on 127.0.0.1 for plain decoding (NONE, the baseline) and for each --config in each of
 --modes (`fixed`: `--no-speculative-adaptive`, every step verifies the full width; `adaptive`: the server's
 default), all kept up; a --config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree
-(benchmarks/speculative.py's syntax). After an untimed warm-up of each server, --rounds rounds: in each, every
-level runs on every server in turn (the order rotates), so the machine's drift hits every configuration alike.
-A level keeps c streamed requests in flight and sends max(--num-prompts, --requests-per-slot x c) of the coding
-prompts, --output-len tokens each (ignore_eos), at --temperature. A level's tok/s is the median over rounds, its
-ratio to NONE the median of the per-round ratios. --plain-twin adds a second plain server, whose ratio to NONE is
-the run's A/A noise; --against-src DIR runs every speculative configuration a second time from another source
-tree (`ratio_to_against`).
+(benchmarks/speculative.py's syntax; SUFFIX adds depth, cached, factor, minprob). After an untimed warm-up of each
+server, --rounds rounds: in each, every level runs on every server in turn (the order rotates), so the machine's
+drift hits every configuration alike. A level keeps c streamed requests in flight and sends max(--num-prompts,
+--requests-per-slot x c) of the coding prompts, --output-len tokens each (ignore_eos), at --temperature. A level's
+tok/s is the median over rounds, its ratio to NONE the median of the per-round ratios. --plain-twin adds a second
+plain server, whose ratio to NONE is the run's A/A noise; --against-src DIR runs every speculative configuration a
+second time from another source tree (`ratio_to_against`).
+--dataset agentic sends multi-turn coding-agent conversations instead (`bench serving --dataset agentic`): a level
+keeps c conversations in flight, one turn at a time each, and sends as many conversations as a coding level sends
+requests; every level of every round gets its own seeded conversations (the same on every server), so no drafter
+that learns across requests (SUFFIX) sees an answer it already served. (On `coding` the 20 prompts repeat at every
+level: SUFFIX's cache of earlier outputs then holds each answer; run `SUFFIX cached=0` beside it.)
 
 Prints ONE JSON object (per configuration and level: tok/s, accept length, ratio to NONE; NONE's batching ratio,
 c=16 over c=1). With --out also a markdown table beside it and the server logs (NAME.logs/), each with its
@@ -39,8 +44,15 @@ import aiohttp
 import torch
 from speculative import parse_config  # benchmarks/speculative.py (this script's folder is on sys.path)
 
-from specserve.bench.datasets import load_dataset, sample_prompts
-from specserve.bench.serving import ServingConfig, client_session, run_level, server_config, warm_up
+from specserve.bench.datasets import Prompt, agentic_conversations, load_dataset, sample_prompts
+from specserve.bench.serving import (
+    ServingConfig,
+    client_session,
+    run_conversation_level,
+    run_level,
+    server_config,
+    warm_up,
+)
 from specserve.bench.tune import log_tail, start_server, stop_server
 from specserve.config import SpeculativeConfig
 
@@ -71,6 +83,11 @@ def speculative_flags(spec: SpeculativeConfig) -> list[str]:
         "ngram-min-match": spec.ngram_min_match, "ngram-max-match": spec.ngram_max_match,
         "ngram-max-breadth": spec.ngram_max_breadth,
     }
+    if spec.algorithm == "SUFFIX":
+        values.update({"suffix-max-tree-depth": spec.suffix_max_tree_depth,
+                       "suffix-max-cached-requests": spec.suffix_max_cached_requests,
+                       "suffix-max-spec-factor": spec.suffix_max_spec_factor,
+                       "suffix-min-token-prob": spec.suffix_min_token_prob})
     for key, value in values.items():
         if value is not None:
             flags += [f"--speculative-{key}", str(value)]
@@ -151,15 +168,27 @@ def _fail(s: Live, e: BaseException) -> None:
     print(f"{s.variant.name}: {s.entry['error']}", file=sys.stderr, flush=True)
 
 
-async def _warm(client: aiohttp.ClientSession, cfg: ServingConfig, dataset: Any, widest: int, s: Live) -> None:
+def conversations_for(args: argparse.Namespace, round_no: int, concurrency: int) -> Any:
+    """A level's own agentic conversations (round 0 level 0: the warm-up's), the same for every server."""
+    count = level_count(args.num_prompts, concurrency, args.requests_per_slot) if concurrency else max(args.concurrency)
+    return agentic_conversations(count, SEED + 1 + 1000 * round_no + concurrency, args.agentic_file_chars)
+
+
+async def _warm(client: aiohttp.ClientSession, cfg: ServingConfig, dataset: Any, widest: int, s: Live,
+                args: argparse.Namespace) -> None:
     info = (await server_config(client, s.url)).get("info") or {}
     s.entry["server_speculative"] = info.get("speculative") if isinstance(info, dict) else None
-    warm = await warm_up(client, cfg, dataset.prompts[0])
+    convs = conversations_for(args, 0, 0) if args.dataset == "agentic" else ()
+    first = Prompt(messages=tuple((m["role"], m["content"]) for m in convs[0].messages(0, []))) if convs else None
+    warm = await warm_up(client, cfg, first or dataset.prompts[0])
     if not warm["ok"] or not warm["ignore_eos_applied"]:
         raise RuntimeError(f"the warm-up request failed: {warm['error'] or warm['note']}")
     # untimed: every prompt once (so every level finds them in the prefix cache alike), batches formed
-    primed = await run_level(client, cfg, dataset.prompts, min(widest, len(dataset.prompts)), ignore_eos=True,
-                             progress=False)
+    if convs:  # conversations of their own: no measured answer is served here
+        primed = await run_conversation_level(client, cfg, convs, widest, ignore_eos=True, progress=False)
+    else:
+        primed = await run_level(client, cfg, dataset.prompts, min(widest, len(dataset.prompts)), ignore_eos=True,
+                                 progress=False)
     if primed["errors"]:
         raise RuntimeError(f"the warm-up pass failed: {primed['error_messages']}")
 
@@ -168,7 +197,8 @@ async def measure(live: list[Live], args: argparse.Namespace) -> None:
     """Warm every server, then round after round each level on every server in turn (the order rotates each
     round), so slow drifts of the machine's speed hit every configuration alike. A failing server drops out."""
     cfgs = [ServingConfig(base_url=s.url, model=SERVED_NAME, output_len=args.output_len,
-                          temperature=args.temperature, seed=SEED if args.temperature > 0 else None, ignore_eos=True)
+                          temperature=args.temperature, seed=SEED if args.temperature > 0 else None, ignore_eos=True,
+                          endpoint="chat" if args.dataset == "agentic" else "completions")
             for s in live]
     dataset = load_dataset("coding", args.num_prompts, SEED)
     widest = max(args.concurrency)
@@ -176,19 +206,25 @@ async def measure(live: list[Live], args: argparse.Namespace) -> None:
     try:
         for s, client, cfg in zip(live, clients, cfgs, strict=True):
             try:
-                await _warm(client, cfg, dataset, widest, s)
+                await _warm(client, cfg, dataset, widest, s, args)
             except Exception as e:  # one broken configuration must not lose the others' figures
                 _fail(s, e)
         order = list(range(len(live)))
         for r in range(args.rounds):
             for c in args.concurrency:
                 prompts = sample_prompts(dataset, level_count(args.num_prompts, c, args.requests_per_slot), SEED)
+                convs = conversations_for(args, r, c) if args.dataset == "agentic" else ()
                 for i in order[r % len(order):] + order[: r % len(order)]:
                     s = live[i]
                     if s.entry["error"]:
                         continue
                     try:
-                        level = await run_level(clients[i], cfgs[i], prompts, c, ignore_eos=True, progress=False)
+                        if convs:
+                            level = await run_conversation_level(clients[i], cfgs[i], convs, c, ignore_eos=True,
+                                                                 progress=False)
+                        else:
+                            level = await run_level(clients[i], cfgs[i], prompts, c, ignore_eos=True,
+                                                    progress=False)
                     except Exception as e:
                         _fail(s, e)
                         continue
@@ -211,7 +247,16 @@ def summarize_level(level: dict[str, Any]) -> dict[str, Any]:
         "completed": level["completed"], "num_requests": level["num_requests"], "errors": level["errors"],
         "error_messages": level["error_messages"], "duration_s": level["duration_s"],
         "ttft_p50_ms": ttft["p50"] if ttft else None, "tpot_p50_ms": tpot["p50"] if tpot else None,
+        **(_conversation_figures(level) if "ttft_first_turn_ms" in level else {}),
     }
+
+
+def _conversation_figures(level: dict[str, Any]) -> dict[str, Any]:
+    first, later, cache = level["ttft_first_turn_ms"], level["ttft_later_turns_ms"], level["prefix_cache"] or {}
+    return {"ttft_first_turn_p50_ms": first["p50"] if first else None,
+            "ttft_later_turns_p50_ms": later["p50"] if later else None,
+            "prefix_cache_hit_rate": cache.get("hit_rate"), "host_to_device_blocks": cache.get("host_to_device_blocks"),
+            "device_to_host_blocks": cache.get("device_to_host_blocks")}
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -288,7 +333,8 @@ def markdown(report: dict[str, Any]) -> str:
     cs = report["concurrency"]
     lines = [f"# Served throughput by concurrency: `{report['model']}`", "",
              f"Output {report['output_len']} tokens (ignore_eos), temperature {report['temperature']}, dataset "
-             f"coding, requests per level {report['requests_per_level']}, {report['rounds']} interleaved round(s). "
+             f"{report['dataset']}, requests (agentic: conversations) per level {report['requests_per_level']}, "
+             f"{report['rounds']} interleaved round(s). "
              "Cells: output tok/s, median over the rounds (median of the per-round ratios to NONE at the same "
              "concurrency) · mean accept length · share of steps that speculated.", "",
              "| config | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
@@ -342,6 +388,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="each level this many times per configuration, interleaved; figures are medians")
     ap.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
+    ap.add_argument("--dataset", choices=("coding", "agentic"), default="coding",
+                    help="single coding prompts, or multi-turn agentic conversations (see the docstring)")
+    ap.add_argument("--agentic-file-chars", type=int, default=2000,
+                    help="--dataset agentic: characters of each source file shown as a tool result")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--modes", default="fixed,adaptive", help="which speculative variants to run besides NONE")
     ap.add_argument("--extra-serve-args", default="", help="appended to every `specserve serve`, e.g. '--device cpu'")
@@ -386,7 +436,8 @@ def main() -> int:
         "benchmark": "serving_concurrency", "model": a.model, "command_line": sys.argv,
         "concurrency": a.concurrency, "rounds": a.rounds,
         "requests_per_level": {str(c): level_count(a.num_prompts, c, a.requests_per_slot) for c in a.concurrency},
-        "output_len": a.output_len, "temperature": a.temperature, "dataset": "coding", "ignore_eos": True,
+        "output_len": a.output_len, "temperature": a.temperature, "dataset": a.dataset, "ignore_eos": True,
+        "agentic_file_chars": a.agentic_file_chars if a.dataset == "agentic" else None,
         "extra_serve_args": a.extra_serve_args, "against_src": a.against_src, "machine": platform.machine(),
         "cpus": os.cpu_count(), "torch": torch.__version__,
         "configs": entries, "batching_ratio_plain_c16_over_c1": batching, "goals": goal,

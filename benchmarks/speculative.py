@@ -6,7 +6,8 @@ Views (see the foundation issue: loops of a small target flatter every drafter):
   heldout  : held-out real-code continuations, greedy, 32 tokens (the headline)
   coding_t0: the coding10 prompts, greedy, 128 tokens, with the loop measure beside it
   coding_t07: the coding10 prompts sampled at temperature 0.7 (seeded), 128 tokens
-A config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree.
+A config is `ALGO key=value ...` with keys path, steps, topk, draft, block, tree (and for SUFFIX depth, cached,
+factor, minprob: its --speculative-suffix-* flags).
 Prints one JSON object with every view's summary per config (and per-task rows with --tasks).
 """
 
@@ -27,7 +28,9 @@ from specserve.speculative.factory import default_draft_path, drafter_block_size
 from specserve.types import SamplingParams
 
 KEYS = {"path": "draft_model_path", "steps": "num_steps", "topk": "eagle_topk", "draft": "num_draft_tokens",
-        "block": "dflash_block_size", "tree": "tree"}
+        "block": "dflash_block_size", "tree": "tree", "depth": "suffix_max_tree_depth",
+        "cached": "suffix_max_cached_requests", "factor": "suffix_max_spec_factor", "minprob": "suffix_min_token_prob"}
+FLOAT_KEYS = ("factor", "minprob")
 
 
 def parse_config(text: str, model: str) -> SpeculativeConfig:
@@ -37,7 +40,7 @@ def parse_config(text: str, model: str) -> SpeculativeConfig:
         key, _, value = pair.partition("=")
         if key not in KEYS:
             raise ValueError(f"--config {text!r}: unknown key {key!r}; use {', '.join(KEYS)}")
-        kw[KEYS[key]] = value if key in ("path", "tree") else int(value)
+        kw[KEYS[key]] = value if key in ("path", "tree") else float(value) if key in FLOAT_KEYS else int(value)
     kw.setdefault("draft_model_path", default_draft_path(algo, model))
     if algo.upper() == "DFLASH" and "dflash_block_size" not in kw and kw["draft_model_path"]:
         kw["dflash_block_size"] = drafter_block_size(str(kw["draft_model_path"]))

@@ -47,6 +47,14 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-ngram-min-match", type=int, default=1)
     g.add_argument("--speculative-ngram-max-match", type=int, default=8)
     g.add_argument("--speculative-ngram-max-breadth", type=int, default=4)
+    g.add_argument("--speculative-suffix-max-tree-depth", type=int, default=24,
+                   help="SUFFIX: most tokens drafted past the match (vLLM suffix_decoding_max_tree_depth)")
+    g.add_argument("--speculative-suffix-max-cached-requests", type=int, default=1000,
+                   help="SUFFIX: finished requests' outputs kept for matching, LRU (0: own context only)")
+    g.add_argument("--speculative-suffix-max-spec-factor", type=float, default=1.0,
+                   help="SUFFIX: tokens drafted per matched token (match length x factor, capped by the depth)")
+    g.add_argument("--speculative-suffix-min-token-prob", type=float, default=0.1,
+                   help="SUFFIX: least empirical probability of a drafted continuation")
     g.add_argument("--speculative-draft-dtype", default="auto",
                    help="the drafter's weights: auto (bfloat16 for DFLASH on a CPU with native bf16, else the "
                         "target's dtype), float32, float16, bfloat16; the target verifies in its own dtype")
@@ -69,4 +77,8 @@ def speculative_from_args(a: argparse.Namespace) -> SpeculativeConfig:
         ngram_min_match=a.speculative_ngram_min_match,
         ngram_max_match=a.speculative_ngram_max_match,
         ngram_max_breadth=a.speculative_ngram_max_breadth,
+        suffix_max_tree_depth=a.speculative_suffix_max_tree_depth,
+        suffix_max_cached_requests=a.speculative_suffix_max_cached_requests,
+        suffix_max_spec_factor=a.speculative_suffix_max_spec_factor,
+        suffix_min_token_prob=a.speculative_suffix_min_token_prob,
     )

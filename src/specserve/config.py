@@ -203,7 +203,9 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-ALGORITHMS = ("NONE", "NGRAM", "STANDALONE", "EAGLE3", "DFLASH")
+ALGORITHMS = ("NONE", "NGRAM", "SUFFIX", "STANDALONE", "EAGLE3", "DFLASH")
+#: algorithms that draft without weights (no --speculative-draft-model-path)
+MODEL_FREE = ("NGRAM", "SUFFIX")
 TREES = ("chain", "eagle", "ddtree")
 
 
@@ -227,6 +229,11 @@ class SpeculativeConfig:
     ngram_min_match: int = 1
     ngram_max_match: int = 8
     ngram_max_breadth: int = 4
+    # SUFFIX, named after vLLM's suffix_decoding_* settings
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 1000
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         a = self.algorithm
@@ -236,6 +243,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-tree {self.tree!r} is not known; use one of {', '.join(TREES)}")
         if a == "NONE":
             return
+        if a == "SUFFIX":
+            self._check_suffix()  # before the shared checks: its depth flag is the one to name
         if a in ("STANDALONE", "EAGLE3", "DFLASH") and not self.draft_model_path:
             raise ValueError(f"--speculative-algorithm {a} needs --speculative-draft-model-path")
         if self.eagle_topk < 1:
@@ -271,6 +280,8 @@ class SpeculativeConfig:
             if self.ngram_max_breadth < 1:
                 raise ValueError("--speculative-ngram-max-breadth must be >= 1")
             return
+        if a == "SUFFIX":
+            return
         if self.tree == "chain" or self.eagle_topk == 1:
             if self.eagle_topk != 1:
                 raise ValueError("--speculative-tree chain needs --speculative-eagle-topk 1")
@@ -288,6 +299,27 @@ class SpeculativeConfig:
                     f"at most topk + (steps-1)*topk^2 + 1 = {cap + 1}"
                 )
 
+    def _check_suffix(self) -> None:
+        if self.suffix_max_tree_depth < 1:
+            raise ValueError(f"--speculative-suffix-max-tree-depth must be >= 1 (tokens drafted past the match), "
+                             f"got {self.suffix_max_tree_depth}")
+        if self.num_steps != self.suffix_max_tree_depth:
+            raise ValueError(f"SUFFIX takes its draft depth from --speculative-suffix-max-tree-depth "
+                             f"({self.suffix_max_tree_depth}); leave --speculative-num-steps unset "
+                             f"(got {self.num_steps})")
+        if self.eagle_topk != 1:
+            raise ValueError("SUFFIX branches where its matches do (--speculative-tree eagle): leave "
+                             "--speculative-eagle-topk at 1")
+        if self.suffix_max_cached_requests < 0:
+            raise ValueError(f"--speculative-suffix-max-cached-requests must be >= 0 (0: no cache across requests), "
+                             f"got {self.suffix_max_cached_requests}")
+        if not self.suffix_max_spec_factor > 0:
+            raise ValueError(f"--speculative-suffix-max-spec-factor must be > 0 (tokens drafted per matched token), "
+                             f"got {self.suffix_max_spec_factor}")
+        if not 0 <= self.suffix_min_token_prob <= 1:
+            raise ValueError(f"--speculative-suffix-min-token-prob must be within [0, 1], "
+                             f"got {self.suffix_min_token_prob}")
+
     @property
     def enabled(self) -> bool:
         return self.algorithm != "NONE"
@@ -302,9 +334,10 @@ class SpeculativeConfig:
         num_draft_tokens: int | None = None,
         dflash_block_size: int | None = None,
         tree: str | None = None,
-        **ngram: int,
+        **ngram: Any,
     ) -> SpeculativeConfig:
-        """Fill unset flags with the defaults users expect, then validate."""
+        """Fill unset flags with the defaults users expect, then validate. `ngram`: the ngram_* and suffix_*
+        fields."""
         a = (algorithm or "NONE").upper()
         if a == "NONE":
             return cls()
@@ -322,6 +355,11 @@ class SpeculativeConfig:
             depth = num_steps or (nd - 1 if t == "chain" else max(1, nd // 2))
             return cls(a, draft_model_path, depth, eagle_topk or 1, nd, None, t,
                        **ngram)
+        if a == "SUFFIX":
+            depth = int(ngram.get("suffix_max_tree_depth", cls.suffix_max_tree_depth))
+            # vLLM verifies up to the tree depth; 16 drafts keep a CPU verify forward affordable
+            nd = num_draft_tokens or min(depth, 16) + 1
+            return cls(a, draft_model_path, num_steps or depth, eagle_topk or 1, nd, None, tree or "eagle", **ngram)
         topk = eagle_topk or 1
         if topk == 1:
             steps = num_steps or (num_draft_tokens - 1 if num_draft_tokens else (5 if a == "EAGLE3" else 4))

@@ -69,6 +69,10 @@ def spec_configs(draft_dir: Path, dflash_dir: Path, eagle_dir: Path,
         r("NGRAM", num_draft_tokens=5, tree="chain"),
         r("NGRAM"),
         r("NGRAM", num_draft_tokens=16, num_steps=4, ngram_max_breadth=6),
+        r("SUFFIX"),
+        r("SUFFIX", tree="chain", num_draft_tokens=6),
+        r("SUFFIX", suffix_max_spec_factor=4.0, suffix_min_token_prob=0.0, suffix_max_cached_requests=0),
+        r("SUFFIX", suffix_max_tree_depth=3, suffix_max_cached_requests=2),
         r("STANDALONE", d, num_steps=3),
         r("STANDALONE", d, num_steps=1),
         r("STANDALONE", d, num_steps=3, eagle_topk=2, num_draft_tokens=7),
@@ -179,7 +183,7 @@ def dflash_reveal_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Pat
     return path
 
 
-@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "dflash-reveal", "ngram-tree"])
+@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "dflash-reveal", "ngram-tree", "suffix-tree"])
 def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dflash_dir: Path,
                                              dflash_reveal_dir: Path, which: str) -> None:
     """Chi-square on the joint law of the first two tokens, speculative vs plain, 600 seeds each."""
@@ -192,6 +196,8 @@ def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dfl
         "dflash-reveal": SpeculativeConfig.resolve("DFLASH", str(dflash_reveal_dir), dflash_block_size=8,
                                                    num_draft_tokens=6),
         "ngram-tree": SpeculativeConfig.resolve("NGRAM"),
+        # the cache of earlier outputs (all of this prompt) makes trees from the samples drawn so far
+        "suffix-tree": SpeculativeConfig.resolve("SUFFIX", suffix_min_token_prob=0.0),
     }[which]
     ids = llm.encode("a = 1\nb = 2\na = 1\nb")
     n = 600

@@ -1,4 +1,5 @@
-"""What the server says about itself: its configuration and its speculative accept length.
+"""What the server says about itself: its configuration, its speculative accept length and its prefix cache
+(`prefix_cache_from_metrics`).
 
 Accept length, read around each concurrency level, first found wins:
   1. `GET /server_info` (keys searched at any depth: SGLang nests them in `internal_states`, one
@@ -183,3 +184,45 @@ async def server_config(client: aiohttp.ClientSession, base_url: str) -> dict[st
     if models is not None:
         return {"source": "v1/models", "info": models}
     return {"source": None, "info": None}
+
+
+def _labelled(samples: dict[str, float], suffix: str, label: str = "") -> float | None:
+    """Sum of the samples whose name ends with `suffix` and whose labels contain `label` (None: no such sample)."""
+    values = [v for k, v in samples.items() if k.split("{", 1)[0].endswith(suffix) and label in k
+              and math.isfinite(v)]
+    return sum(values) if values else None
+
+
+def prefix_cache_from_metrics(before: dict[str, float] | None,
+                              after: dict[str, float] | None) -> dict[str, Any] | None:
+    """The prefix cache over the interval between two /metrics scrapes, or None where the server reports none:
+    prompt tokens that hit / missed the cache and the hit rate, hits served from the host tier, and KV blocks
+    moved between tiers. specserve's `*prefix_cache_tokens_total{result}`, `*hicache_host_hit_tokens_total`,
+    `*hicache_moves_total{direction}`; vLLM's `*prefix_cache_hits_total` / `*prefix_cache_queries_total`
+    (tokens); otherwise SGLang's gauge `*cache_hit_rate` after the interval (a running figure, not a delta)."""
+    if before is None or after is None:
+        return None
+
+    def delta(suffix: str, label: str = "") -> float | None:
+        a = _labelled(after, suffix, label)
+        return None if a is None else a - (_labelled(before, suffix, label) or 0.0)
+
+    hits, misses = delta("prefix_cache_tokens_total", 'result="hit"'), delta("prefix_cache_tokens_total",
+                                                                             'result="miss"')
+    source = "metrics:prefix_cache_tokens_total"
+    if hits is None or misses is None:
+        queries = delta("prefix_cache_queries_total")
+        hits = delta("prefix_cache_hits_total")
+        misses = None if queries is None or hits is None else queries - hits
+        source = "metrics:prefix_cache_hits_total"
+    if hits is None or misses is None:
+        rate = _labelled(after, "cache_hit_rate")
+        return None if rate is None else {"hit_rate": rate, "source": "metrics:cache_hit_rate (running gauge)"}
+    return {
+        "hit_tokens": hits, "miss_tokens": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses > 0 else None,
+        "host_hit_tokens": delta("hicache_host_hit_tokens_total"),
+        "device_to_host_blocks": delta("hicache_moves_total", 'direction="device_to_host"'),
+        "host_to_device_blocks": delta("hicache_moves_total", 'direction="host_to_device"'),
+        "source": source,
+    }

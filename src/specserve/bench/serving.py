@@ -28,18 +28,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from tqdm import tqdm
 
-from specserve.bench.datasets import Prompt
-from specserve.bench.metrics import Chunk, RequestResult, aggregate_level, request_timing
+from specserve.bench.datasets import Conversation, Prompt
+from specserve.bench.metrics import Chunk, RequestResult, aggregate_level, request_timing, summarize_ms
 from specserve.bench.server_probe import (
     TRANSPORT_ERRORS,
     accept_length,
+    prefix_cache_from_metrics,
     scrape_metrics,
     server_config,
     spec_step_fraction,
@@ -116,8 +117,8 @@ def build_body(cfg: ServingConfig, prompt: Prompt, max_tokens: int, ignore_eos: 
     return body
 
 
-def _choice_content(choice: dict[str, Any]) -> tuple[bool, int]:
-    """(does the choice carry text, how many logprob entries it carries)."""
+def _choice_content(choice: dict[str, Any]) -> tuple[str, int]:
+    """(the choice's text, how many logprob entries it carries)."""
     delta = choice.get("delta")
     if isinstance(delta, dict):
         parts = [delta.get("content"), delta.get("reasoning_content"), delta.get("reasoning")]
@@ -129,7 +130,7 @@ def _choice_content(choice: dict[str, Any]) -> tuple[bool, int]:
     if isinstance(logprobs, dict):
         entries = logprobs.get("tokens") if "tokens" in logprobs else logprobs.get("content")
         n = len(entries) if isinstance(entries, list) else 0
-    return bool(text) or n > 0, n
+    return text, n
 
 
 @dataclass
@@ -140,6 +141,7 @@ class StreamReader:
     usage_tokens: int | None = None
     prompt_tokens: int | None = None
     streamed_tokens: int = 0
+    answer: list[str] = field(default_factory=list)  # the answer's text (content only), kept for the next turn
     _last_cumulative: int = 0
     # Usage in every content chunk (rule 1) only when the first content chunk had it: a server that
     # puts the final usage into the last content chunk must not have all tokens counted there.
@@ -171,7 +173,11 @@ class StreamReader:
         for choice in choices if isinstance(choices, list) else []:
             if isinstance(choice, dict):
                 text, n = _choice_content(choice)
-                has_text, n_logprobs = has_text or text, n_logprobs + n
+                has_text, n_logprobs = has_text or bool(text) or n > 0, n_logprobs + n
+                delta = choice.get("delta")
+                content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                if isinstance(content, str):
+                    self.answer.append(content)
         if has_text:
             if self._cumulative is None:  # decided by the first content chunk
                 self._cumulative = cumulative is not None
@@ -197,28 +203,33 @@ def _failed(error: str, reader: StreamReader) -> RequestResult:
 
 async def send_request(client: aiohttp.ClientSession, cfg: ServingConfig, prompt: Prompt, max_tokens: int,
                        ignore_eos: bool) -> RequestResult:
+    return (await send_body(client, cfg, build_body(cfg, prompt, max_tokens, ignore_eos)))[0]
+
+
+async def send_body(client: aiohttp.ClientSession, cfg: ServingConfig,
+                    body: dict[str, Any]) -> tuple[RequestResult, str]:
+    """One streamed request; its result and the answer's text."""
     reader = StreamReader()
-    body = build_body(cfg, prompt, max_tokens, ignore_eos)
     start = time.perf_counter()
     try:
         async with client.post(cfg.url, json=body) as resp:
             if resp.status != 200:
                 detail = (await resp.read()).decode("utf-8", errors="replace").strip()
-                return _failed(f"HTTP {resp.status}: {detail[:200]}", reader)
+                return _failed(f"HTTP {resp.status}: {detail[:200]}", reader), ""
             async for raw in resp.content:  # lines, each with its line break
                 if not reader.feed_line(raw.decode("utf-8").rstrip("\r\n"), start):
                     break
             end = time.perf_counter() - start
     except TRANSPORT_ERRORS as e:
-        return _failed(f"{type(e).__name__}: {e or 'no detail'} ({cfg.url})", reader)
+        return _failed(f"{type(e).__name__}: {e or 'no detail'} ({cfg.url})", reader), ""
     except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError included
-        return _failed(f"bad stream: {e}", reader)
+        return _failed(f"bad stream: {e}", reader), ""
     if not reader.chunks:
-        return _failed("stream ended without any content token", reader)
+        return _failed("stream ended without any content token", reader), ""
     output_tokens = reader.usage_tokens if reader.usage_tokens is not None else reader.streamed_tokens
     timing = request_timing(reader.chunks, end, output_tokens)
     return RequestResult(error=None, prompt_tokens=reader.prompt_tokens, usage_tokens=reader.usage_tokens,
-                         streamed_tokens=reader.streamed_tokens, timing=timing)
+                         streamed_tokens=reader.streamed_tokens, timing=timing), "".join(reader.answer)
 
 
 @dataclass
@@ -267,6 +278,81 @@ async def run_level(client: aiohttp.ClientSession, cfg: ServingConfig, prompts: 
     return level
 
 
+def build_turn_body(cfg: ServingConfig, conv: Conversation, turn: int, answers: list[str],
+                    ignore_eos: bool) -> dict[str, Any]:
+    """Request `turn` of `conv` with the whole history: chat messages, or the transcript for completions."""
+    max_tokens = conv.max_tokens or cfg.output_len
+    if conv.single is not None:
+        return build_body(cfg, conv.single, max_tokens, ignore_eos)
+    if cfg.endpoint == "chat":
+        prompt = Prompt(messages=tuple((m["role"], m["content"]) for m in conv.messages(turn, answers)))
+    else:
+        prompt = Prompt(text=conv.transcript(turn, answers))
+    return build_body(cfg, prompt, max_tokens, ignore_eos)
+
+
+#: called after every turn with (conversation, turn, request body, result, answer text); for tests and traces
+OnTurn = Callable[[Conversation, int, dict[str, Any], RequestResult, str], None]
+
+
+async def run_conversation_level(client: aiohttp.ClientSession, cfg: ServingConfig,
+                                 conversations: Sequence[Conversation], concurrency: int, ignore_eos: bool = False,
+                                 progress: bool = True, on_turn: OnTurn | None = None) -> dict[str, Any]:
+    """All `conversations` with `concurrency` of them in flight, one turn at a time each (a turn is sent when the
+    previous one's answer is in); the level's figures as `run_level`'s, and TTFT of first and later turns, the
+    prefix cache's hit rate and host-tier moves from /metrics. A failed turn ends its conversation: the turns
+    left are counted as failed ("skipped")."""
+    if concurrency < 1:
+        raise ValueError(f"--concurrency values must be >= 1, got {concurrency}")
+    base = normalize_base_url(cfg.base_url)
+    before = await take_snapshot(client, base)
+    metrics_before = await scrape_metrics(client, base)
+    queue = list(reversed(conversations))
+    in_flight = InFlight()
+    done: list[tuple[Conversation, int, RequestResult]] = []
+    bar = tqdm(total=sum(c.num_turns for c in conversations), desc=f"concurrency {concurrency}", unit="turn",
+               disable=not progress, leave=True)
+
+    async def worker() -> None:
+        while queue:
+            conv = queue.pop()
+            answers: list[str] = []
+            for turn in range(conv.num_turns):
+                if len(answers) < turn:  # an earlier turn failed: this one cannot be built
+                    result = RequestResult(error=f"skipped: turn {len(answers)} of its conversation failed",
+                                           prompt_tokens=None, usage_tokens=None, streamed_tokens=0, timing=None)
+                else:
+                    body = build_turn_body(cfg, conv, turn, answers, ignore_eos)
+                    in_flight.enter()
+                    try:
+                        result, answer = await send_body(client, cfg, body)
+                    finally:
+                        in_flight.leave()
+                    if result.ok:
+                        answers.append(answer)
+                    if on_turn is not None:
+                        on_turn(conv, turn, body, result, answer)
+                done.append((conv, turn, result))
+                bar.update(1)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(conversations)))))
+    duration = time.perf_counter() - t0
+    bar.close()
+    results = [r for _, _, r in done]
+    level = aggregate_level(results, concurrency, duration, in_flight.peak)
+    for record, (conv, turn, _) in zip(level["requests"], done, strict=True):
+        record["conversation"], record["turn"] = conv.id, turn
+    level["num_conversations"] = len(conversations)
+    level["ttft_first_turn_ms"] = summarize_ms([r.timing.ttft_s for _, t, r in done if t == 0 and r.timing])
+    level["ttft_later_turns_ms"] = summarize_ms([r.timing.ttft_s for _, t, r in done if t > 0 and r.timing])
+    level["accept_length"], level["accept_length_source"] = accept_length(before, await take_snapshot(client, base))
+    metrics_after = await scrape_metrics(client, base)
+    level["spec_step_fraction"] = spec_step_fraction(metrics_before, metrics_after)
+    level["prefix_cache"] = prefix_cache_from_metrics(metrics_before, metrics_after)
+    return level
+
+
 async def warm_up(client: aiohttp.ClientSession, cfg: ServingConfig, prompt: Prompt) -> dict[str, Any]:
     """One short request; with --ignore-eos it also finds out whether the server accepts the field."""
     max_tokens = min(WARMUP_TOKENS, cfg.output_len)
@@ -281,13 +367,20 @@ async def warm_up(client: aiohttp.ClientSession, cfg: ServingConfig, prompt: Pro
 
 
 async def run_sweep(cfg: ServingConfig, prompts: Sequence[Prompt], concurrencies: Sequence[int], warmup: bool = True,
-                    progress: bool = True) -> dict[str, Any]:
-    """Server configuration, warm-up outcome and one entry per concurrency level (each sends all `prompts`)."""
+                    progress: bool = True, conversations: Sequence[Conversation] = ()) -> dict[str, Any]:
+    """Server configuration, warm-up outcome and one entry per concurrency level (each sends all `prompts`, or
+    all `conversations` where given: `run_conversation_level`)."""
     if not concurrencies:
         raise ValueError("--concurrency needs at least one level, e.g. 1,4,16")
     async with client_session(cfg.request_timeout_s, max(concurrencies) + 4, cfg.api_key) as client:
         server = await server_config(client, normalize_base_url(cfg.base_url))
-        warm = await warm_up(client, cfg, prompts[0]) if warmup else None
+        first = prompts[0] if prompts else Prompt(messages=tuple(
+            (m["role"], m["content"]) for m in conversations[0].messages(0, [])))
+        warm = await warm_up(client, cfg, first) if warmup else None
         ignore_eos = warm["ignore_eos_applied"] if warm is not None else cfg.ignore_eos
-        levels = [await run_level(client, cfg, prompts, c, ignore_eos, progress) for c in concurrencies]
+        if conversations:
+            levels = [await run_conversation_level(client, cfg, conversations, c, ignore_eos, progress)
+                      for c in concurrencies]
+        else:
+            levels = [await run_level(client, cfg, prompts, c, ignore_eos, progress) for c in concurrencies]
     return {"server": server, "warmup": warm, "levels": levels}

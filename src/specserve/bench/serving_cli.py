@@ -38,8 +38,13 @@ def add_serving_parser(subparsers: Any) -> None:
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000 (a trailing /v1 is accepted)")
     s.add_argument("--model", required=True, help="model name the server serves (see GET /v1/models)")
     s.add_argument("--concurrency", type=concurrency_list, default=[1, 4, 16], help="levels, e.g. 1,4,16,30,64")
-    s.add_argument("--num-prompts", type=int, default=64, help="requests sent at every level")
-    s.add_argument("--dataset", default="coding", help="coding | random | FILE.jsonl")
+    s.add_argument("--num-prompts", type=int, default=64,
+                   help="requests sent at every level (conversation datasets: conversations)")
+    s.add_argument("--dataset", default="coding",
+                   help="coding | random | agentic (multi-turn, over installed packages' source) | FILE.jsonl "
+                        '(lines with "turns" are conversations)')
+    s.add_argument("--agentic-file-chars", type=int, default=3000,
+                   help="characters of each source file an agentic conversation shows as a tool result")
     s.add_argument("--random-input-len", type=int, default=128, help="words per prompt of --dataset random")
     s.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
     s.add_argument("--temperature", type=float, default=0.0)
@@ -71,14 +76,19 @@ def _level_line(level: dict[str, Any]) -> str:
         stats = level[key]
         return stats["p50"] if stats else None
 
-    return (f"concurrency {level['concurrency']}: {level['completed']}/{level['num_requests']} ok, "
+    line = (f"concurrency {level['concurrency']}: {level['completed']}/{level['num_requests']} ok, "
             f"{_fmt(level['request_throughput'], '.2f')} req/s, {_fmt(level['output_throughput'])} out tok/s, "
             f"TTFT p50 {_fmt(p50('ttft_ms'))} ms, TPOT p50 {_fmt(p50('tpot_ms'))} ms, "
             f"ITL p50 {_fmt(p50('itl_ms'))} ms, accept length {_fmt(level['accept_length'], '.2f')}")
+    if "ttft_first_turn_ms" in level:  # a conversation level
+        cache = level["prefix_cache"] or {}
+        line += (f", TTFT p50 first/later turns {_fmt(p50('ttft_first_turn_ms'))}/"
+                 f"{_fmt(p50('ttft_later_turns_ms'))} ms, prefix hit rate {_fmt(cache.get('hit_rate'), '.2f')}")
+    return line
 
 
 def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from specserve.bench.datasets import load_dataset, sample_prompts
+    from specserve.bench.datasets import load_dataset, sample_conversations, sample_prompts
     from specserve.bench.serving import ServingConfig, run_sweep
 
     try:
@@ -87,8 +97,9 @@ def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                             api_key=args.api_key, ignore_eos=args.ignore_eos, continuous_usage=args.continuous_usage,
                             request_timeout_s=args.request_timeout)
         seed = 0 if args.seed is None else args.seed
-        dataset = load_dataset(args.dataset, args.num_prompts, seed, args.random_input_len)
-        prompts = sample_prompts(dataset, args.num_prompts, seed)
+        dataset = load_dataset(args.dataset, args.num_prompts, seed, args.random_input_len, args.agentic_file_chars)
+        conversations = sample_conversations(dataset, args.num_prompts, seed) if dataset.conversations else []
+        prompts = [] if conversations else sample_prompts(dataset, args.num_prompts, seed)
     except ValueError as e:  # DatasetError included
         return _error(str(e))
     try:  # find an unusable --out before the sweep, not after it
@@ -100,7 +111,7 @@ def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"warning: skipped dataset line {problem}", file=sys.stderr)
     started = datetime.now(timezone.utc).isoformat()
     result = asyncio.run(run_sweep(cfg, prompts, args.concurrency, warmup=not args.no_warmup,
-                                   progress=not args.no_progress))
+                                   progress=not args.no_progress, conversations=conversations))
     run = {
         "kind": "serving",
         "schema_version": SCHEMA_VERSION,
@@ -114,7 +125,10 @@ def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "request_timeout_s": cfg.request_timeout_s,
         },
         "dataset": {"name": dataset.name, "prompts_available": len(dataset.prompts),
-                    "skipped_lines": len(dataset.errors), "errors": list(dataset.errors)},
+                    "skipped_lines": len(dataset.errors), "errors": list(dataset.errors),
+                    **({"conversations_available": len(dataset.conversations),
+                        "turns_sent_per_level": sum(c.num_turns for c in conversations),
+                        "agentic_file_chars": args.agentic_file_chars} if conversations else {})},
         **result,
     }
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specserve.config import MODEL_FREE
 from specserve.deploy.engine_args import ArgsBuilder, Mapped, Unmapped
 from specserve.deploy.known_flags import EngineFlags, check_command
 from specserve.deploy.spec_map import adaptive, sglang_spec, vllm_spec
@@ -48,7 +49,7 @@ def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter
     if cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype {cfg.dtype!r} has no {engine} equivalent; use one of {', '.join(DTYPES)}")
     b.map("--dtype", cfg.dtype, "--dtype", DTYPES[cfg.dtype])
-    if cfg.speculative.enabled and cfg.speculative.algorithm != "NGRAM":
+    if cfg.speculative.enabled and cfg.speculative.algorithm not in MODEL_FREE:
         b.skip("--speculative-draft-dtype", cfg.draft_dtype, "the engine runs the drafter in the model's --dtype "
                "(specserve's auto picks bf16 only for DFLASH on CPUs, which the engines do not serve from)")
     _device(b, cfg.device, sglang)

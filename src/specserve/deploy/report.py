@@ -11,8 +11,10 @@ from specserve.server.serve_config import ServeConfig
 
 FLAG_ROLE = {
     "speculative_algorithm": "drafting method (NONE = plain decoding; NGRAM = continuations of n-grams already in "
-                             "the context, no drafter weights; STANDALONE = a small draft LM; EAGLE3 = a one-layer "
-                             "head on the target's hidden states; DFLASH = a block drafter, one forward per block)",
+                             "the context, no drafter weights; SUFFIX = continuations of the longest match in the "
+                             "context and in recent requests' outputs, no drafter weights; STANDALONE = a small "
+                             "draft LM; EAGLE3 = a one-layer head on the target's hidden states; DFLASH = a block "
+                             "drafter, one forward per block)",
     "speculative_draft_model_path": "drafter checkpoint; its files are hash-checked at every start",
     "speculative_num_steps": "draft depth: drafting steps per round",
     "speculative_eagle_topk": "branching per drafting step (1 = a chain)",
@@ -23,6 +25,11 @@ FLAG_ROLE = {
     "speculative_ngram_min_match": "shortest context suffix NGRAM looks up",
     "speculative_ngram_max_match": "longest context suffix NGRAM looks up",
     "speculative_ngram_max_breadth": "matches NGRAM merges into one draft tree",
+    "speculative_suffix_max_tree_depth": "most tokens SUFFIX drafts past its match",
+    "speculative_suffix_max_cached_requests": "finished requests' outputs SUFFIX keeps to match against (LRU; 0 = "
+                                              "the request's own context only)",
+    "speculative_suffix_max_spec_factor": "tokens SUFFIX drafts per matched token (capped by the depth)",
+    "speculative_suffix_min_token_prob": "least empirical probability of a continuation SUFFIX drafts",
     "speculative_adaptive": "per step, verify as many drafts as pay at the current batch size (or none), from a "
                             "measured cost profile",
     "speculative_adaptive_profile": "the saved cost profile; measured again and rewritten when missing or stale",

@@ -43,6 +43,11 @@ def sglang_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
     if not s.enabled:
         b.map("--speculative-algorithm", "NONE", note="plain decoding: no speculative flags")
         return
+    if s.algorithm == "SUFFIX":
+        b.skip("--speculative-algorithm", s.algorithm, "SGLang has no suffix-tree drafter (its algorithms: EAGLE, "
+               "EAGLE3, NEXTN, STANDALONE, NGRAM, DFLASH), so the export decodes plainly; NGRAM is its nearest "
+               "(a prompt-lookup trie, without SUFFIX's cache of earlier requests' outputs)")
+        return
     b.map("--speculative-algorithm", s.algorithm, "--speculative-algorithm", s.algorithm)
     if s.algorithm == "NGRAM":
         b.map("--speculative-num-draft-tokens", s.num_draft_tokens, "--speculative-num-draft-tokens",
@@ -98,6 +103,16 @@ def vllm_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
         b.map("--speculative-ngram-max-match", s.ngram_max_match, note="prompt_lookup_max")
         b.map("--speculative-num-steps", s.num_steps, note="num_speculative_tokens (chain length)")
         b.skip("--speculative-ngram-max-breadth", s.ngram_max_breadth, f"{chain_only}: one match, no tree")
+    elif s.algorithm == "SUFFIX":
+        spec = {"method": "suffix", "num_speculative_tokens": s.num_draft_tokens - 1,
+                "suffix_decoding_max_tree_depth": s.suffix_max_tree_depth,
+                "suffix_decoding_max_cached_requests": s.suffix_max_cached_requests,
+                "suffix_decoding_max_spec_factor": s.suffix_max_spec_factor,
+                "suffix_decoding_min_token_prob": s.suffix_min_token_prob}
+        for flag, key in (("max-tree-depth", "max_tree_depth"), ("max-cached-requests", "max_cached_requests"),
+                          ("max-spec-factor", "max_spec_factor"), ("min-token-prob", "min_token_prob")):
+            b.map(f"--speculative-suffix-{flag}", spec[f"suffix_decoding_{key}"], note=f"suffix_decoding_{key}")
+        b.map("--speculative-num-steps", s.num_steps, note="= --speculative-suffix-max-tree-depth for SUFFIX")
     else:
         assert drafter is not None
         method = {"STANDALONE": "draft_model", "EAGLE3": "eagle3", "DFLASH": "dflash"}[s.algorithm]

@@ -186,6 +186,8 @@ class BatchEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if req.drafter is not None:
+            req.drafter.finish(req.checker.tokens)
         self.scheduler.abort(request_id)
         self._count_finish("abort")
         return True
@@ -217,6 +219,8 @@ class BatchEngine:
             req.drafter = None  # rebuilt when the recomputed prefill completes
         for seq in plan.finished:
             gone = self._requests.pop(seq.request_id, None)
+            if gone is not None and gone.drafter is not None:
+                gone.drafter.finish(gone.checker.tokens)
             self._count_finish("length")
             stats = gone.stats() if gone is not None else None
             outs.append(StepOutput(seq.request_id, [], "length", stats))
@@ -464,6 +468,8 @@ class BatchEngine:
         if not req.checker.done:
             return [StepOutput(seq.request_id, kept)]
         reason = req.checker.finish_reason or "length"
+        if req.drafter is not None:
+            req.drafter.finish(req.checker.tokens)
         self.scheduler.finish(seq, reason)
         del self._requests[seq.request_id]
         self._count_finish(reason)

@@ -5,7 +5,8 @@ The speculative loop drives a drafter through one request:
   propose(root, max_drafts) -> DraftTree  each round
   accept(tokens, hidden)               after verification, with the accepted path
 A round the engine runs without speculation (adaptive speculation chose plain decoding) calls
-`skip(root)` instead of `propose(root)`; `accept` follows with tokens [root].
+`skip(root)` instead of `propose(root)`; `accept` follows with tokens [root]. When the request ends the engine
+calls `finish(output)`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class Drafter(ABC):
         """Committed tokens the next `propose` absorbs before drafting (drafters that catch up lazily: a new
         request's prompt, rounds skipped); at most the last round's accepted tokens + 1 while speculating."""
         return 0
+
+    def finish(self, output: list[int]) -> None:
+        """The request ended (finished or aborted; not preempted); `output`: every token it produced. Drafters that
+        learn across requests keep it."""
+        return
 
     def skip(self, root: int) -> None:
         """A round without drafts at `root`; `accept([root], ...)` follows. Drafters whose `propose` keeps

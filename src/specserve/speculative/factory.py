@@ -9,13 +9,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.config import ModelConfig, SpeculativeConfig
+from specserve.config import MODEL_FREE, ModelConfig, SpeculativeConfig
 from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model, resolve_model_path
 from specserve.speculative.draft_model import DraftModelDrafter, check_draft_model
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.suffix import SuffixDrafter
+from specserve.speculative.suffix_index import SuffixCache
 from specserve.types import SamplingParams
 
 #: Bundled drafters used when the target is the bundled demo and no draft path is given.
@@ -46,7 +48,7 @@ class DrafterPlan:
 
 def plan_drafter(spec: SpeculativeConfig, target_cfg: ModelConfig) -> DrafterPlan:
     """Resolve and check the drafter against the target's config, before any weights are read."""
-    if spec.algorithm == "NGRAM":
+    if spec.algorithm in MODEL_FREE:
         return DrafterPlan(spec, None)
     assert spec.draft_model_path is not None  # SpeculativeConfig guarantees it
     draft_dir = resolve_model_path(spec.draft_model_path)
@@ -79,6 +81,9 @@ class DrafterBuilder:
         self.weights: object | None = None
         # DFLASH drafts through the target's LM head: a copy in the drafter's dtype where that is not the target's
         self.head: nn.Linear | None = None
+        # SUFFIX: recent requests' outputs, shared by this engine's drafters (one builder per engine)
+        self.suffix_cache = (SuffixCache(plan.spec.suffix_max_cached_requests)
+                             if plan.spec.algorithm == "SUFFIX" else None)
         if plan.spec.algorithm == "STANDALONE":
             assert plan.draft_dir is not None
             draft, _, _ = load_model(plan.draft_dir, device, dtype)
@@ -122,9 +127,9 @@ class DrafterBuilder:
 
     @property
     def free_drafting(self) -> bool:
-        """Whether drafting costs next to nothing (n-gram lookup), so plain steps can draft unverified trees
-        to keep measuring acceptance (`engine/shadow.py`)."""
-        return self.spec.algorithm == "NGRAM"
+        """Whether drafting costs next to nothing (n-gram and suffix lookup), so plain steps can draft unverified
+        trees to keep measuring acceptance (`engine/shadow.py`)."""
+        return self.spec.algorithm in MODEL_FREE
 
     @property
     def max_tree_nodes(self) -> int:
@@ -138,6 +143,8 @@ class DrafterBuilder:
         s = self.spec
         if s.algorithm == "NGRAM":
             return NgramDrafter.from_config(s, self.device)
+        if s.algorithm == "SUFFIX":
+            return SuffixDrafter.from_config(s, self.suffix_cache, self.device)
         if s.algorithm == "STANDALONE":
             assert isinstance(self.weights, CausalLM)
             return DraftModelDrafter(self.weights, s, params, generator, max_len)
