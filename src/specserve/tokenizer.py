@@ -57,6 +57,10 @@ class Tokenizer:
 
         return step
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what grammar libraries build their token tables from)."""
+        return str(self._tok.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.token_to_id(token)
         return None if tid is None else int(tid)

@@ -1,8 +1,27 @@
-"""Plain data shared by every layer: sampling parameters and generation results."""
+"""Plain data shared by every layer: sampling parameters (with an optional output grammar) and generation results."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the output. kind: `json_schema` (spec: the schema as JSON text), `json_object` (any JSON
+    object; spec unused), `regex`, or `lark` (a Lark grammar in llguidance's dialect, which also embeds JSON
+    schemas as `%json{...}`). Compiled and checked by the engine (`engine/grammar.py`)."""
+
+    kind: str
+    spec: str = ""
+    compact: bool = False  # JSON kinds: separators fixed to ", " and ": ", no other whitespace (strict schemas)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind {self.kind!r} is not known; use one of {', '.join(GRAMMAR_KINDS)}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} grammar needs its text")
 
 
 @dataclass(frozen=True)
@@ -18,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # constrained decoding: every token must keep the output inside it
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

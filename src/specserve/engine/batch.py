@@ -27,6 +27,7 @@ import torch
 from specserve.engine.adaptive import AdaptivePolicy, engine_profile, streak_class
 from specserve.engine.drafting import draft_trees
 from specserve.engine.engine_config import EngineConfig, EngineCounters, EngineStats, RequestStats, StepOutput
+from specserve.engine.grammar import GrammarCompiler, GrammarState, constrain_tree, mask_logits
 from specserve.engine.pass_log import PassLog
 from specserve.engine.runner import ModelRunner, Row, RowOutput
 from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
@@ -56,6 +57,7 @@ class _Request:
     generator: torch.Generator
     checker: StopChecker
     drafter: Drafter | None = None
+    grammar: GrammarState | None = None  # constrained decoding: has consumed every committed token
     last_accepted: int | None = None  # drafts its last decided round accepted (verified or shadow)
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify round, bonus included
     draft_tokens: list[int] = field(default_factory=list)  # draft nodes verified per round
@@ -74,9 +76,11 @@ class BatchEngine:
         drafters: DrafterBuilder | None = None,
         policy: AdaptivePolicy | None = None,
         pass_log: PassLog | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`drafters`: None decodes plainly. `policy`: the adaptive draft width (None: always the widest; `adapt`
-        builds one from a measured cost profile). `pass_log`: a JSON line per pass (--speculative-adaptive-trace)."""
+        builds one from a measured cost profile). `pass_log`: a JSON line per pass (--speculative-adaptive-trace).
+        `grammars`: compiles requests' output grammars (`SamplingParams.grammar`; none: such requests are refused)."""
         self.model = model
         self.eos_ids = eos_ids
         self.decode = decode
@@ -114,6 +118,7 @@ class BatchEngine:
         self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
         self.pass_log = pass_log
+        self.grammars = grammars
         self._requests: dict[str, _Request] = {}
         self._block_offsets = range(config.kv_block_size)
 
@@ -177,9 +182,15 @@ class BatchEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises QueueFull when the waiting queue is full, ValueError for bad input."""
         checker = StopChecker(params, self.eos_ids, self.max_context, len(prompt_ids), self.decode)
+        grammar = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no grammar compiler: constrained decoding is off")
+            grammar = self.grammars.state(params.grammar, self.device)
         seq = self.scheduler.add(request_id, prompt_ids, params)
         self.counters.prompt_tokens += len(prompt_ids)
-        self._requests[request_id] = _Request(seq, params, make_generator(params.seed, self.device), checker)
+        self._requests[request_id] = _Request(seq, params, make_generator(params.seed, self.device), checker,
+                                              grammar=grammar)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its KV blocks; False if it is unknown or already done."""
@@ -298,7 +309,10 @@ class BatchEngine:
             self.scheduler.advance(seq, chunk.num_tokens, [])
             return []
         assert res.logits is not None
-        token = int(pick(res.logits[-1:], req.params, req.generator).item())
+        logits = res.logits[-1:]
+        if req.grammar is not None:
+            logits = mask_logits(logits, req.grammar.allowed())
+        token = int(pick(logits, req.params, req.generator).item())
         if self.drafters is not None:
             max_len = seq.num_tokens + req.checker.limit + self.drafters.max_tree_nodes + 2
             req.drafter = self.drafters.for_request(req.params, req.generator, max_len)
@@ -321,19 +335,48 @@ class BatchEngine:
         catch_up = any(d is not None and i.num_draft_tokens > 0 and d.backlog > self.max_draft + 2
                        for i, d in zip(items, drafters, strict=True))
         trees = draft_trees(items, drafters, self.config.batch_invariant)  # None: decodes plainly
+        trees, allowed = self._constrain(items, trees)
         self.counters.draft_s += time.perf_counter() - t0
         if k > 0:
             self.counters.spec_steps += 1
         rows = [self._decode_row(item, tree) for item, tree in zip(items, trees, strict=True)]
         results = self._forward(rows + [self._prefill_row(c) for c in prefills])
         outs, merged_s = self._finish_merged(prefills, results[len(rows):])
-        committed, verified = self._commit_decodes(items, trees, results[: len(rows)], k)
+        committed, verified = self._commit_decodes(items, trees, results[: len(rows)], k, allowed)
         outs += committed
         self._shadow_rounds(items, k)
         elapsed = time.perf_counter() - t0 - merged_s  # the shadow rounds' cost counts in the pass's time
         self.counters.decode_s += elapsed
         self._record_pass(len(items), k, verified, elapsed, self.counters.forward_s - f0, catch_up)
         return outs
+
+    def _constrain(self, items: tuple[DecodeItem, ...], trees: list[DraftTree | None]
+                   ) -> tuple[list[DraftTree | None], list[torch.Tensor | None]]:
+        """Constrained requests' trees without what their grammar forbids, and the mask at each row's nodes
+        ([N+1, V], or [1, V] for a plain row); where the grammar forces more tokens than the tree drafts along
+        them, the forced chain is the draft (`engine/grammar.py`)."""
+        out: list[DraftTree | None] = []
+        masks: list[torch.Tensor | None] = []
+        for item, tree in zip(items, trees, strict=True):
+            g = self._requests[item.seq.request_id].grammar
+            if g is None:
+                out.append(tree)
+                masks.append(None)
+                continue
+            t0, n0 = g.mask_s, g.masks
+            if tree is None:
+                masks.append(g.allowed()[None])
+            else:
+                forced = g.forced(len(item.slots) - 1) if self.config.grammar_forced_drafts else []
+                if len(forced) > int(tree.depths.max()):
+                    tree = DraftTree.chain(int(tree.tokens[0]), forced, device=self.device)
+                    self.counters.forced_drafts += len(forced)
+                tree, node_masks = constrain_tree(g, tree)
+                masks.append(node_masks)
+            out.append(tree)
+            self.counters.grammar_mask_s += g.mask_s - t0
+            self.counters.grammar_masks += g.masks - n0
+        return out, masks
 
     def _decode_row(self, item: DecodeItem, tree: DraftTree | None) -> Row:
         """A decode's row of the forward: its last token alone, or its draft tree (root first)."""
@@ -363,9 +406,15 @@ class BatchEngine:
         return outs, merged_s
 
     def _commit_decodes(self, items: tuple[DecodeItem, ...], trees: list[DraftTree | None],
-                        results: list[RowOutput], k: int) -> tuple[list[StepOutput], int]:
+                        results: list[RowOutput], k: int,
+                        allowed: list[torch.Tensor | None]) -> tuple[list[StepOutput], int]:
         """Per decode: pick its next token (plain) or verify its tree, commit what it produced. Returns the
         outputs and the tokens the pass produced (before stop conditions cut a request's last ones)."""
+        for i, mask in enumerate(allowed):  # what the grammar allows at each row's node(s)
+            if mask is not None:
+                logits = results[i].logits
+                assert logits is not None
+                results[i] = dataclasses.replace(results[i], logits=mask_logits(logits, mask))
         picks = iter(self._greedy_picks(items, trees, results))
         outs: list[StepOutput] = []
         verified = 0
@@ -461,8 +510,14 @@ class BatchEngine:
     def _commit(self, req: _Request, num_computed: int, new_tokens: list[int]) -> list[StepOutput]:
         """Feed the stop checker, advance the sequence, finish it if it stopped."""
         seq = req.seq
+        g = req.grammar
+        if g is not None:  # the output ends where its grammar is complete (nothing may follow, EOS included)
+            new_tokens = new_tokens[: g.consume_until_stopped(new_tokens)]
         taken = req.checker.feed(new_tokens)
         kept = new_tokens[:taken]
+        # (the checker cuts tokens only when it finishes: the state is then not read again)
+        if g is not None and g.stopped and not req.checker.done:
+            req.checker.finish_reason = "stop"
         self.counters.generation_tokens += taken
         self.scheduler.advance(seq, num_computed if taken == len(new_tokens) else min(num_computed, taken), kept)
         if not req.checker.done:

@@ -20,6 +20,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     hicache_gb: float = 0.0  # host tier size; 0 = off
     batch_invariant: bool = False
+    grammar_forced_drafts: bool = True  # tokens a request's grammar forces are drafted (verified as any draft)
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 0:
@@ -87,6 +88,9 @@ class EngineCounters:
     step_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which target forwards (the rest is host work: scheduling, drafting, verifying)
     prefill_drafter_s: float = 0.0  # of which drafters taking in completed prompts
+    grammar_masks: int = 0  # grammar masks computed (one per constrained row node)
+    grammar_mask_s: float = 0.0  # of the drafting time, computing them
+    forced_drafts: int = 0  # draft tokens that came from grammars' forced continuations
     draft_s: float = 0.0  # of the decode passes' time, drafting
     decode_s: float = 0.0  # decode passes (drafting, the forward, verifying, committing)
     merged_prefills: int = 0  # prefill chunks that rode in a decode forward (`BatchEngine._merges`)

@@ -19,6 +19,7 @@ import torch
 from specserve.config import ModelConfig, SpeculativeConfig, parse_dtype, pick_device
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine_config import EngineConfig
+from specserve.engine.grammar import GrammarCompiler
 from specserve.engine.offline import OnTokens, generate_batch, kv_blocks_needed
 from specserve.engine.pass_log import PassLog
 from specserve.models.layout import column_major_projections, two_layout_heads
@@ -113,6 +114,8 @@ class LLM:
         self.engine_config = engine_config
         self.adaptive = adaptive
         self.adaptive_profile = Path(adaptive_profile) if adaptive_profile else None
+        # output grammars (`SamplingParams.grammar`), compiled once per spec for this tokenizer
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.config.vocab_size, self.eos_ids)
         self._engines: dict[str, BatchEngine] = {}  # the offline engines: "spec", "plain", "reference"
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -126,7 +129,8 @@ class LLM:
         first. `trace_path`: a JSON line per pass (`engine/pass_log.py`)."""
         builder = None if plain else (drafters or self.drafter_builder)
         passes = PassLog(trace_path) if trace_path else None
-        engine = BatchEngine(self.model, self.eos_ids, self.tokenizer.decode, config, builder, pass_log=passes)
+        engine = BatchEngine(self.model, self.eos_ids, self.tokenizer.decode, config, builder, pass_log=passes,
+                             grammars=self.grammars)
         if adaptive and (path := engine.adapt(profile_path)) is not None:
             log.info("adaptive speculation: cost profile %s", path)
         return engine

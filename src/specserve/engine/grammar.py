@@ -1,0 +1,193 @@
+"""Constrained decoding: a request's `Grammar` masks every distribution its tokens are picked from (llguidance).
+
+`GrammarCompiler` (one per engine: the token table is built once per tokenizer) compiles a grammar once per
+spec (cached) and hands each request a `GrammarState` that has consumed every committed token. Speculation stays
+exact under a mask because verification runs on masked distributions: `constrain_tree` walks a draft tree depth
+first (consume a node's token, visit its children, roll back), takes the mask at every node, and cuts nodes the
+grammar forbids before the verify forward — a forbidden draft could never be accepted (greedy: never the masked
+argmax; sampling: it has probability 0). Sampled drafts keep a forbidden node itself (the rejection rule's
+residuals count it) and lose only what lies below it. Forced tokens (the grammar allows one continuation:
+`GrammarState.forced`) make a chain draft that the masked verifier accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from specserve.speculative.trees.tree import DraftTree
+from specserve.types import Grammar
+
+#: compiled grammars kept per compiler (most recently used)
+CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        """`vocab_size`: the model's (logits rows; ids past the tokenizer's are never allowed)."""
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self._eos = list(eos_ids)
+        self._tok: Any = None  # llguidance.LLTokenizer, built on first use (~1 s for a large vocabulary)
+        self._cache: OrderedDict[Grammar, str] = OrderedDict()
+        self._lock = threading.Lock()  # the server checks grammars off the engine's thread
+        self.compile_s = 0.0  # spent compiling, cache misses only
+        self.compiled = 0
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            import llguidance
+
+            self._tok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                               eos_token=self._eos or None)
+        return self._tok
+
+    def compile(self, grammar: Grammar) -> str:
+        """The grammar in llguidance's form, checked against the tokenizer; ValueError names what is wrong."""
+        with self._lock:
+            return self._compile(grammar)
+
+    def _compile(self, grammar: Grammar) -> str:
+        hit = self._cache.get(grammar)
+        if hit is not None:
+            self._cache.move_to_end(grammar)
+            return hit
+        from llguidance import LLMatcher
+
+        t0 = time.perf_counter()
+        tok = self._tokenizer()
+        if grammar.kind == "json_schema":
+            try:
+                schema = json.loads(grammar.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema is a JSON object")
+            text = LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(grammar))
+        elif grammar.kind == "json_object":
+            text = LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_json_options(grammar))
+        elif grammar.kind == "regex":
+            text = LLMatcher.grammar_from_regex(grammar.spec)
+        else:
+            text = LLMatcher.grammar_from_lark(grammar.spec)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(text, tok)
+        if failed:
+            raise ValueError(f"the {grammar.kind} grammar cannot be used: {messages[0] if messages else 'invalid'}")
+        self.compile_s += time.perf_counter() - t0
+        self.compiled += 1
+        self._cache[grammar] = text
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return text
+
+    def state(self, grammar: Grammar, device: torch.device) -> GrammarState:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._tokenizer(), self.compile(grammar), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the {grammar.kind} grammar cannot be used: {matcher.get_error()}")
+        return GrammarState(matcher, self.vocab_size, device, frozenset(self._eos))
+
+
+def _json_options(grammar: Grammar) -> Any:
+    """Compact JSON: every key and separator of a strict schema is then the only continuation (forced)."""
+    if not grammar.compact:
+        return None
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarState:
+    """One request's place in its grammar: it has consumed every token committed so far."""
+
+    def __init__(self, matcher: Any, vocab_size: int, device: torch.device, eos_ids: frozenset[int]) -> None:
+        self._m = matcher
+        self.eos_ids = eos_ids  # end the output: never consumed in a tree walk (no rollback past them)
+        self.vocab_size = vocab_size
+        self.device = device
+        self._shifts = torch.arange(8, dtype=torch.uint8)
+        self.mask_s = 0.0  # spent computing masks
+        self.masks = 0
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next."""
+        t0 = time.perf_counter()
+        raw = torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.uint8)  # [ceil(V/32)*4]
+        bits = ((raw[:, None] >> self._shifts) & 1).view(-1)[: self.vocab_size].bool()  # bit i%8 of byte i//8
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        return bits.to(self.device)
+
+    def consume(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if not self._m.consume_token(int(t)):
+                raise RuntimeError(f"token {t} broke the grammar: {self._m.get_error()}")
+
+    def consume_until_stopped(self, tokens: list[int]) -> int:
+        """Consume `tokens` up to and including the one that completes the grammar; how many it took."""
+        for i, t in enumerate(tokens):
+            if self.stopped:
+                return i
+            self.consume([t])
+        return len(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"grammar rollback of {n} tokens failed: {self._m.get_error()}")
+
+    def forced(self, limit: int) -> list[int]:
+        """Tokens the grammar forces next (its only continuation), at most `limit`."""
+        return list(self._m.compute_ff_tokens())[:limit] if limit > 0 else []
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing more may follow (the grammar is complete and takes no further token)."""
+        return bool(self._m.is_stopped())
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] with the forbidden tokens at -inf (a new tensor)."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def constrain_tree(state: GrammarState, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+    """The tree without what the grammar forbids, and the mask at each of its nodes [N'+1, V] (the mask of a kept
+    forbidden node — sampled drafts only — or of an EOS allows everything: its row is never read)."""
+    kids = tree.children()
+    tokens = tree.tokens.tolist()
+    sampled = tree.draft_probs is not None
+    masks: dict[int, torch.Tensor] = {}
+
+    def visit(i: int) -> None:
+        allowed = masks[i] = state.allowed()
+        for c in kids[i]:
+            if bool(allowed[tokens[c]]) and tokens[c] in state.eos_ids:  # a leaf: nothing of the output follows
+                masks[c] = torch.ones_like(allowed)
+            elif bool(allowed[tokens[c]]):
+                state.consume([tokens[c]])
+                visit(c)
+                state.rollback(1)
+            elif sampled:
+                masks[c] = torch.ones_like(allowed)
+
+    visit(0)
+    keep = sorted(masks)  # the original order: parents before children, siblings as drafted
+    stacked = torch.stack([masks[i] for i in keep])
+    if len(keep) == len(tokens):
+        return tree, stacked
+    return subtree(tree, keep), stacked
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes `keep` (ascending, root first, every kept node's parent kept) as a tree of their own."""
+    index = {old: new for new, old in enumerate(keep)}
+    parents = tree.parents.tolist()
+    device = tree.tokens.device
+    sel = torch.tensor(keep, device=device)
+    new_parents = torch.tensor([-1] + [index[parents[i]] for i in keep[1:]], dtype=torch.long, device=device)
+    probs = tree.draft_probs[sel] if tree.draft_probs is not None else None
+    return DraftTree(tree.tokens[sel], new_parents, tree.depths[sel], probs)

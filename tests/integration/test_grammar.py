@@ -1,0 +1,153 @@
+"""Constrained decoding, lossless under speculation: greedy constrained output equals an independent constrained
+plain decoder token for token for every drafter and tree mode; sampling under a mask follows the masked target
+distribution through the speculative path (chi-square); forced tokens drafted; bad grammars refused."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.engine_config import EngineConfig
+from specserve.engine.grammar import mask_logits
+from specserve.engine.llm import LLM
+from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.speculative.eagle3.checkpoint import init_random_eagle3
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
+from specserve.types import Grammar, SamplingParams
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "minItems": 1, "maxItems": 2},
+    "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{3}$"}},
+                "required": ["zip"], "additionalProperties": False},
+}, "required": ["name", "age", "role", "tags", "address"], "additionalProperties": False}
+GRAMMARS = [
+    Grammar("json_schema", json.dumps(PERSON), compact=True),
+    Grammar("json_schema", json.dumps(PERSON)),
+    Grammar("regex", r"(def|class) [a-z_]{1,8}\((x|y)?\):"),
+    Grammar("lark", 'start: "x = " NUM ("," NUM){0,3}\nNUM: /[0-9]{1,3}/'),
+]
+PROMPTS = ["def add(a, b):", "import os\n", "class Foo:\n", "x = [1, 2, 3]\n", "# a person\n", "{"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir: Path) -> LLM:
+    return LLM(tiny_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory: pytest.TempPathFactory, llm: LLM, tiny_draft_dir: Path) -> list[SpeculativeConfig]:
+    d = tmp_path_factory.mktemp("drafters")
+    init_random_eagle3(llm.config, d / "eagle3", seed=4)
+    init_random_dflash(llm.config, d / "dflash", seed=3, block_size=8)
+    r = SpeculativeConfig.resolve
+    e, f = str(d / "eagle3"), str(d / "dflash")
+    return [
+        r("NGRAM"), r("NGRAM", num_draft_tokens=5, tree="chain"), r("SUFFIX"),
+        r("STANDALONE", str(tiny_draft_dir), num_steps=3),
+        r("EAGLE3", e, num_steps=3), r("EAGLE3", e, num_steps=2, eagle_topk=3, num_draft_tokens=7),
+        r("DFLASH", f, dflash_block_size=8, tree="chain", num_draft_tokens=8),
+        r("DFLASH", f, dflash_block_size=8, tree="ddtree", num_draft_tokens=10),
+    ]
+
+
+@torch.inference_mode()
+def reference(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Constrained greedy decoding written apart from the engine: a full forward per token, the grammar's mask,
+    the argmax; the output ends at EOS or where the grammar is complete."""
+    assert params.grammar is not None
+    state = llm.grammars.state(params.grammar, llm.device)
+    out: list[int] = []
+    while len(out) < params.max_new_tokens and not state.stopped:
+        ids = torch.tensor([prompt + out])
+        logits = llm.model(ids, torch.arange(ids.shape[1])[None], last_only=True).logits[0, -1]
+        token = int(mask_logits(logits, state.allowed()).argmax())
+        out.append(token)
+        state.consume([token])
+        if token in llm.eos_ids:
+            break
+    return out
+
+
+def test_greedy_constrained_speculation_equals_constrained_plain(llm: LLM, drafters: list[SpeculativeConfig]) -> None:
+    prompts = [llm.encode(p) for p in PROMPTS]
+    for grammar in GRAMMARS:
+        params = SamplingParams(max_new_tokens=40, grammar=grammar)
+        want = [reference(llm, p, params) for p in prompts]
+        assert [r.token_ids for r in llm.generate_plain(prompts, params)] == want, grammar
+        for spec in drafters:
+            builder = DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
+            got = llm.generate_with(builder, prompts, params)
+            assert [r.token_ids for r in got] == want, (grammar.kind, spec)
+        if grammar.kind == "json_schema":
+            for tokens in want:
+                text = llm.tokenizer.decode(tokens)
+                if len(tokens) < params.max_new_tokens:  # finished: the whole schema, valid
+                    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_forced_tokens_are_drafted_and_change_nothing(tiny_dir: Path, llm: LLM) -> None:
+    """Compact strict JSON forces every key and separator: those become the draft where the drafter's is shorter;
+    the output is the same with and without them."""
+    grammar = Grammar("json_schema", json.dumps(PERSON), compact=True)
+    params = SamplingParams(max_new_tokens=60, grammar=grammar)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    want = [reference(llm, p, params) for p in prompts]
+    outs = {}
+    for forced in (True, False):
+        spec = LLM(tiny_dir, device="cpu", dtype="float32", speculative=SpeculativeConfig.resolve("NGRAM"),
+                   engine_config=EngineConfig(num_kv_blocks=256, grammar_forced_drafts=forced))
+        res = spec.generate(prompts, params)
+        assert [r.token_ids for r in res] == want
+        outs[forced] = (spec._engines["spec"].counters, sum(len(r.accept_lengths) for r in res))
+    (with_forced, rounds_with), (without, rounds_without) = outs[True], outs[False]
+    assert with_forced.forced_drafts > 0 and without.forced_drafts == 0
+    assert rounds_with < rounds_without  # forced keys accepted in runs: fewer verify rounds for the same tokens
+    assert with_forced.grammar_masks > 0
+
+
+@pytest.mark.parametrize("which", ["ngram", "eagle3-tree", "dflash-ddtree"])
+def test_sampling_under_a_mask_follows_the_masked_distribution(llm: LLM, drafters: list[SpeculativeConfig],
+                                                               which: str) -> None:
+    """Chi-square: whole constrained outputs (a few tokens, a small language) sampled speculatively vs plainly."""
+    from scipy.stats import chi2_contingency
+
+    spec = {"ngram": drafters[0], "eagle3-tree": drafters[5], "dflash-ddtree": drafters[7]}[which]
+    grammar = Grammar("regex", r"(ab|ba|a|b)(ab|ba|a|b)")
+    n = 600
+    prompt = llm.encode("a = 1\nb = 2\na = 1\nb")
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=6, temperature=1.3, seed=seed, grammar=grammar)
+
+    builder = DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
+    sp = Counter(r.text for r in llm.generate_with(builder, [prompt] * n, [params(s) for s in range(n)]))
+    pl = Counter(r.text for r in llm.generate_plain([prompt] * n, [params(10_000 + s) for s in range(n)]))
+    assert all(k.replace("a", "").replace("b", "") == "" for k in sp)  # every output in the language
+    common = [k for k in set(sp) | set(pl) if sp[k] + pl[k] >= 10]
+    assert len(common) >= 3, "the test needs a spread-out distribution to have power"
+    table = [[sp[k] for k in common] + [n - sum(sp[k] for k in common)],
+             [pl[k] for k in common] + [n - sum(pl[k] for k in common)]]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    assert chi2_contingency(table)[1] > 0.001, (which, sp, pl)
+
+
+def test_bad_grammars_are_refused_before_decoding(llm: LLM) -> None:
+    bad = [Grammar("json_schema", "{not json"), Grammar("json_schema", "[1, 2]"), Grammar("regex", "(unclosed"),
+           Grammar("lark", "start: undefined_rule")]
+    for grammar in bad:
+        with pytest.raises(ValueError, match=r"grammar|schema|JSON"):
+            llm.generate(["x"], SamplingParams(max_new_tokens=4, grammar=grammar))
+    with pytest.raises(ValueError, match="grammar kind"):
+        Grammar("xml", "<a/>")
+    [ok] = llm.generate(["x"], SamplingParams(max_new_tokens=8, grammar=Grammar("regex", "[0-9]{3}")))
+    assert len(ok.text) == 3 and ok.text.isdigit() and ok.finish_reason == "stop"
