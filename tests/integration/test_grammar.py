@@ -5,13 +5,19 @@ distribution through the speculative path (chi-square); forced tokens drafted; b
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import jsonschema
+import openai
 import pytest
 import torch
 
+from server_util import ServerProcess, running_server
 from specserve.config import SpeculativeConfig
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.grammar import mask_logits
@@ -151,3 +157,90 @@ def test_bad_grammars_are_refused_before_decoding(llm: LLM) -> None:
         Grammar("xml", "<a/>")
     [ok] = llm.generate(["x"], SamplingParams(max_new_tokens=8, grammar=Grammar("regex", "[0-9]{3}")))
     assert len(ok.text) == 3 and ok.text.isdigit() and ok.finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------- through the real server
+
+
+@pytest.fixture(scope="module")
+def grammar_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    d = tmp_path_factory.mktemp("grammar-serve")
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny", "--tool-call-parser",
+            "hermes", "--speculative-algorithm", "NGRAM", "--no-speculative-adaptive"]
+    with running_server(args, d / "log") as srv:
+        yield srv
+
+
+# small: the tiny model's context (512 tokens) holds the tools' JSON in the system prompt
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+           "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+def test_response_formats_through_the_openai_client(grammar_server: ServerProcess, llm: LLM) -> None:
+    client = openai.OpenAI(base_url=grammar_server.url + "/v1", api_key="none")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    msgs = [{"role": "user", "content": "A person, please."}]
+    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=200, temperature=0, n=2,
+                                         response_format=fmt)  # type: ignore[arg-type]
+    texts = [c.message.content or "" for c in out.choices]
+    assert texts[0] == texts[1]  # greedy, n = 2
+    jsonschema.validate(json.loads(texts[0]), PERSON)
+    # the same as the offline engine under the same grammar (the server speculates, offline is plain)
+    prompt = llm.tokenizer.apply_chat_template(msgs)
+    grammar = Grammar("json_schema", json.dumps(PERSON), compact=True)
+    [want] = llm.generate_plain([prompt], SamplingParams(max_new_tokens=200, grammar=grammar))
+    assert texts[0] == want.text
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=200, temperature=0, response_format=fmt, stream=True)  # type: ignore[arg-type]
+        if chunk.choices)
+    assert streamed == texts[0]
+    obj = client.completions.create(model="tiny", prompt="x", max_tokens=40, temperature=0.8, seed=3,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].text), dict)
+    rx = client.completions.create(model="tiny", prompt="n =", max_tokens=10, extra_body={"regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", rx.choices[0].text)
+    pick = client.completions.create(model="tiny", prompt="ok?", max_tokens=10,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert pick.choices[0].text in ("yes", "no")
+
+
+def test_forced_tool_calls_parse_and_name_the_function(grammar_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=grammar_server.url + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "Paris?"}]
+    named = client.chat.completions.create(
+        model="tiny", messages=msgs, tools=TOOLS, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "time"}})
+    [call] = named.choices[0].message.tool_calls or []
+    assert call.function.name == "time" and named.choices[0].finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    required = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=60,
+                                              temperature=0.7, seed=1, tool_choice="required")  # type: ignore[arg-type]
+    calls = required.choices[0].message.tool_calls or []
+    assert calls and all(c.function.name in ("weather", "time") for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), WEATHER if c.function.name == "weather"
+                            else TOOLS[1]["function"]["parameters"])  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"regex": "(unclosed"}, "response_format"),
+    ({"regex": "[a-z]+", "response_format": {"type": "json_object"}}, "regex"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_constraints_are_400s_naming_the_field(grammar_server: ServerProcess, body: dict[str, Any],
+                                                   param: str) -> None:
+    r = httpx.post(grammar_server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in (param, "body") or param in r.json()["error"]["message"], r.json()
+    ok = httpx.post(grammar_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200  # still serving

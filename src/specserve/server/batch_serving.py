@@ -36,6 +36,7 @@ from specserve.server.engine_api import (
     RequestGroup,
 )
 from specserve.tokenizer import Tokenizer
+from specserve.types import Grammar
 
 log = logging.getLogger("specserve.server")
 
@@ -123,6 +124,9 @@ class BatchServingEngine:
                 self._jobs[r.request_id] = job
             self._cv.notify()
         return group
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        self._llm.grammars.compile(grammar)
 
     def stats(self) -> EngineStats:
         """The engine's snapshot, with what waits here before the engine sees it."""

@@ -32,8 +32,9 @@ from specserve.server.engine_api import (
 )
 from specserve.server.errors import ApiError, parse_body
 from specserve.server.serve_config import ServeConfig
+from specserve.server.structured import request_grammar, tool_call_grammar
 from specserve.server.tool_parsers import TOOL_PARSERS, Parsed, ToolCall, ToolParser
-from specserve.types import SamplingParams
+from specserve.types import Grammar, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,25 @@ def _token_budget(state: ServerState, n_prompt: int, max_tokens: int | None, par
     return max_tokens
 
 
-def _params(req: s.SamplingRequest, max_new: int, choice: int) -> SamplingParams:
+def _params(req: s.SamplingRequest, max_new: int, choice: int, grammar: Grammar | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p, top_k=max(0, req.top_k),
             min_p=req.min_p, seed=None if req.seed is None else req.seed + choice, stop=tuple(req.stop_list),
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, grammar=grammar,
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+
+
+async def _checked(state: ServerState, grammar: Grammar | None, param: str) -> Grammar | None:
+    """Compile the grammar off the event loop (cached per spec); 400 naming `param` when it cannot be used."""
+    if grammar is not None:
+        try:
+            await asyncio.to_thread(state.engine.check_grammar, grammar)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from None
+    return grammar
 
 
 def _submit(state: ServerState, requests: list[EngineRequest]) -> RequestGroup:
@@ -141,6 +152,7 @@ def _error_event(out: EngineOutput) -> str:
 async def create_completion(state: ServerState, request: Request) -> Response:
     req = parse_body(s.CompletionRequest, await request.body())
     _check_model(state, req.model)
+    grammar = await _checked(state, request_grammar(req), "response_format")
     tok = state.engine.tokenizer
     engine_reqs: list[EngineRequest] = []
     prompt_tokens = 0
@@ -151,7 +163,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         max_new = _token_budget(state, len(ids), req.max_tokens, "prompt")
         prompt_tokens += len(ids)
         for j in range(req.n):
-            engine_reqs.append(EngineRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), _params(req, max_new, j)))
+            engine_reqs.append(EngineRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), _params(req, max_new, j, grammar)))
     group = _submit(state, engine_reqs)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.cfg.model_name
     k = len(engine_reqs)
@@ -234,6 +246,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             raise ApiError(400, "tools need a server started with --tool-call-parser", param="tools")
         parser_cls = TOOL_PARSERS[state.cfg.tool_call_parser]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.uses_tools else None
+    grammar, forced = request_grammar(req), tool_call_grammar(req, state.cfg.tool_call_parser, state.engine.tokenizer)
+    if grammar is not None and forced is not None:
+        raise ApiError(400, "a forced tool_choice and an output format cannot both constrain one answer",
+                       param="tool_choice")
+    grammar = await _checked(state, forced or grammar, "tool_choice" if forced is not None else "response_format")
     tok = state.engine.tokenizer
     try:
         prompt = tok.apply_chat_template([_template_message(m) for m in req.messages], tools=tools)
@@ -242,8 +259,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     ids = tok.encode(prompt)
     max_new = _token_budget(state, len(ids), req.token_limit, "messages")
     skip = not (parser_cls is not None and parser_cls.needs_special_tokens)
-    engine_reqs = [EngineRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(ids), _params(req, max_new, j), skip)
-                   for j in range(req.n)]
+    engine_reqs = [EngineRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(ids), _params(req, max_new, j, grammar),
+                                 skip) for j in range(req.n)]
     group = _submit(state, engine_reqs)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.cfg.model_name
     if req.stream:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from specserve.engine.engine_config import EngineStats
 from specserve.engine.scheduler import QueueFull
 from specserve.tokenizer import Tokenizer
-from specserve.types import SamplingParams
+from specserve.types import Grammar, SamplingParams
 
 __all__ = ["EngineClosed", "EngineOutput", "EngineRequest", "EngineStats", "QueueFull", "RequestGroup",
            "ServingEngine"]
@@ -98,5 +98,8 @@ class ServingEngine(Protocol):
     def submit(self, requests: list[EngineRequest]) -> RequestGroup: ...
 
     def stats(self) -> EngineStats: ...
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile (and cache) an output grammar; ValueError says why it cannot be used. Called off the loop."""
 
     async def shutdown(self, timeout: float) -> None: ...

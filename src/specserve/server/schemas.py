@@ -21,6 +21,33 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM: cumulative usage in every chunk
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: one of a JSON schema, a regex, a choice of strings, a grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -40,6 +67,10 @@ class SamplingRequest(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang extra
+    ebnf: str | None = None  # SGLang extra (GBNF or Lark)
+    structured_outputs: StructuredOutputs | None = None  # vLLM extra
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -171,12 +202,21 @@ class Tool(_Strict):
     function: FunctionDef
 
 
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
