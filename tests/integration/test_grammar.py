@@ -207,6 +207,13 @@ def test_response_formats_through_the_openai_client(grammar_server: ServerProces
     pick = client.completions.create(model="tiny", prompt="ok?", max_tokens=10,
                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert pick.choices[0].text in ("yes", "no")
+    meta = pick.choices[0].model_extra["meta_info"]  # per request: masks, their time, forced drafts
+    assert meta["grammar_masks"] >= 1 and meta["grammar_mask_ms"] >= 0 and meta["grammar_forced_draft_tokens"] >= 0
+    metrics = httpx.get(grammar_server.url + "/metrics").text
+    for name in ("grammar_compiled_total", "grammar_masks_total", "grammar_mask_seconds_total",
+                 "grammar_forced_draft_tokens_total"):
+        value = float(re.search(rf"^specserve_{name} (\S+)$", metrics, re.M)[1])  # type: ignore[index]
+        assert value > 0 or name == "grammar_forced_draft_tokens_total", name
 
 
 def test_forced_tool_calls_parse_and_name_the_function(grammar_server: ServerProcess) -> None:

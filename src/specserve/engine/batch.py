@@ -62,8 +62,12 @@ class _Request:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify round, bonus included
     draft_tokens: list[int] = field(default_factory=list)  # draft nodes verified per round
 
+    forced_drafts: int = 0  # draft tokens its grammar forced
+
     def stats(self) -> RequestStats:
-        return RequestStats(tuple(self.accept_lengths), self.checker.stop_text_at, tuple(self.draft_tokens))
+        g = self.grammar
+        return RequestStats(tuple(self.accept_lengths), self.checker.stop_text_at, tuple(self.draft_tokens),
+                            g.masks if g is not None else 0, g.mask_s if g is not None else 0.0, self.forced_drafts)
 
 
 class BatchEngine:
@@ -160,6 +164,9 @@ class BatchEngine:
             engine_steps=c.steps, spec_steps=c.spec_steps, engine_step_seconds=c.step_s,
             engine_forward_seconds=c.forward_s,
             adaptive_choices=dict(self.policy.choices) if self.policy is not None else {},
+            grammars_compiled=self.grammars.compiled if self.grammars is not None else 0,
+            grammar_compile_seconds=self.grammars.compile_s if self.grammars is not None else 0.0,
+            grammar_masks=c.grammar_masks, grammar_mask_seconds=c.grammar_mask_s, forced_draft_tokens=c.forced_drafts,
         )
 
     def describe(self) -> dict[str, object]:
@@ -358,7 +365,8 @@ class BatchEngine:
         out: list[DraftTree | None] = []
         masks: list[torch.Tensor | None] = []
         for item, tree in zip(items, trees, strict=True):
-            g = self._requests[item.seq.request_id].grammar
+            req = self._requests[item.seq.request_id]
+            g = req.grammar
             if g is None:
                 out.append(tree)
                 masks.append(None)
@@ -371,6 +379,7 @@ class BatchEngine:
                 if len(forced) > int(tree.depths.max()):
                     tree = DraftTree.chain(int(tree.tokens[0]), forced, device=self.device)
                     self.counters.forced_drafts += len(forced)
+                    req.forced_drafts += len(forced)
                 tree, node_masks = constrain_tree(g, tree)
                 masks.append(node_masks)
             out.append(tree)

@@ -43,11 +43,17 @@ class RequestStats:
     accept_lengths: tuple[int, ...]  # tokens committed per verify round (accepted drafts + the bonus token)
     stop_text_at: int | None = None  # char offset of a matched stop string in the decoded output
     draft_tokens: tuple[int, ...] = ()  # draft nodes verified per round (beside accept_lengths)
+    grammar_masks: int = 0  # constrained requests: next-token masks computed, their seconds, forced drafts
+    grammar_mask_s: float = 0.0
+    forced_drafts: int = 0
 
     def meta_info(self, completion_tokens: int, speculative: bool) -> dict[str, object]:
         """Per-request figures under SGLang's `meta_info` names, counted as `/metrics` counts them: a verify
         round is one draft tree checked by the target; accept length includes the bonus token."""
         out: dict[str, object] = {"completion_tokens": completion_tokens}
+        if self.grammar_masks:
+            out.update({"grammar_masks": self.grammar_masks, "grammar_mask_ms": round(1e3 * self.grammar_mask_s, 3),
+                        "grammar_forced_draft_tokens": self.forced_drafts})
         if not speculative:
             return out
         rounds = len(self.accept_lengths)
@@ -126,6 +132,11 @@ class EngineStats:
     engine_forward_seconds: float = 0.0  # target forwards; the rest of a step is host work
     spec_steps: int = 0  # steps that verified drafts (adaptive speculation may skip some)
     adaptive_choices: dict[int, int] = field(default_factory=dict)  # draft width -> steps
+    grammars_compiled: int = 0  # output grammars compiled (cache misses)
+    grammar_compile_seconds: float = 0.0
+    grammar_masks: int = 0  # next-token masks computed (one per constrained row node)
+    grammar_mask_seconds: float = 0.0
+    forced_draft_tokens: int = 0  # draft tokens that came from grammars' forced continuations
 
     @property
     def kv_usage(self) -> float:

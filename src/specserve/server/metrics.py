@@ -116,6 +116,17 @@ def engine_metrics(stats: EngineStats, responses: Responses) -> Iterator[Metric]
                        "Engine step time, by part: target forwards vs host work (scheduling, drafting, verification).",
                        [({"part": "forward"}, stats.engine_forward_seconds),
                         ({"part": "host"}, stats.engine_step_seconds - stats.engine_forward_seconds)])
+    if stats.grammars_compiled:
+        yield _counter(p + "grammar_compiled_total", "Output grammars compiled (each spec once; then cached).",
+                       [({}, stats.grammars_compiled)])
+        yield _counter(p + "grammar_compile_seconds_total", "Time compiling output grammars.",
+                       [({}, stats.grammar_compile_seconds)])
+        yield _counter(p + "grammar_masks_total", "Next-token masks computed for constrained requests.",
+                       [({}, stats.grammar_masks)])
+        yield _counter(p + "grammar_mask_seconds_total", "Time computing next-token masks.",
+                       [({}, stats.grammar_mask_seconds)])
+        yield _counter(p + "grammar_forced_draft_tokens_total",
+                       "Draft tokens taken from grammars' forced continuations.", [({}, stats.forced_draft_tokens)])
     if stats.speculative:
         yield _counter(p + "spec_steps_total", "Engine steps that verified draft tokens.", [({}, stats.spec_steps)])
         if stats.adaptive_choices:
