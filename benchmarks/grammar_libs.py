@@ -38,9 +38,11 @@ from typing import Any
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+import itertools
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,8 +180,8 @@ def build_big_tokenizer(path: Path, vocab_size: int = 150000) -> dict[str, Any]:
     if pad > 0:
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(pad)])
     tok.save(str(path))
-    info = {"files": len(files), "corpus_mb": round(total / 1e6, 1), "bpe_vocab": trained, "padded_special": max(pad, 0),
-            "vocab": tok.get_vocab_size(), "train_wall_s": round(time.time() - t0, 1)}
+    info = {"files": len(files), "corpus_mb": round(total / 1e6, 1), "bpe_vocab": trained,
+            "padded_special": max(pad, 0), "vocab": tok.get_vocab_size(), "train_wall_s": round(time.time() - t0, 1)}
     path.with_suffix(".info.json").write_text(json.dumps(info))
     return info
 
@@ -196,7 +198,7 @@ def _byte_level_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=False)}
 
 
 class Vocab:
@@ -487,7 +489,7 @@ def bench_one(lib, v: Vocab, kind: str, reps: int, ov: int) -> dict[str, Any]:
     cached = [lib.compile_cached(kind)[1] for _ in range(5)]
     out["compile_cached_ms"] = round(statistics.median(cached) / 1e6, 4)
 
-    toks = v.encode(spec["text"]) + [v.eos]
+    toks = [*v.encode(spec["text"]), v.eos]
     assert v.tok.decode(toks[:-1], skip_special_tokens=False) == spec["text"] or True
     n = len(toks)
     buf = torch.zeros(((v.size + 31) // 32,), dtype=torch.int32)
@@ -529,7 +531,7 @@ def bench_one(lib, v: Vocab, kind: str, reps: int, ov: int) -> dict[str, Any]:
                         assert ff[0] in (t,) or allowed(bnp, ff[0]), f"{lib.name}/{kind}: forced token not allowed"
             t0 = NS()
             ok = lib.accept(m, t)
-            (acc_ns if rep > 0 or reps == 1 else acc_ns).append(NS() - t0 - ov)
+            acc_ns.append(NS() - t0 - ov)
             assert ok, f"{lib.name}/{kind}: valid token {t} rejected at step {i}"
         assert lib.accepting(m), f"{lib.name}/{kind}: not accepting after EOS"
     # a bad token is rejected (fresh matcher, first step)
@@ -651,17 +653,18 @@ def _xgr_traverse(lib, g, v, toks, starts, masks_ref) -> dict[str, Any]:
             # nodes: 0 root(tok = toks[s-1]); chain c1..c5; alt a_d; bad b_d; siblings order: chain, alt, bad
             draft, nxt, sib = [toks[s - 1]], [-1], [-1]
             prev_chain = 0
-            never = [x for x in v.special if x != v.eos][0]
+            never = next(x for x in v.special if x != v.eos)
             alts = [some_allowed_other(masks_ref[s + d], v.size, chain[d], v.eos) for d in range(len(chain))]
             for d, c in enumerate(chain):
                 ci = len(draft)
-                draft.append(c); nxt.append(-1); sib.append(-1)
                 ids = [ci]
-                if alts[d] is not None:
-                    draft.append(alts[d]); nxt.append(-1); sib.append(-1); ids.append(len(draft) - 1)
-                draft.append(never); nxt.append(-1); sib.append(-1); ids.append(len(draft) - 1)
+                for tok_id in ([c, alts[d]] if alts[d] is not None else [c]) + [never]:
+                    draft.append(tok_id)
+                    nxt.append(-1)
+                    sib.append(-1)
+                ids += list(range(ci + 1, len(draft)))
                 nxt[prev_chain] = ci
-                for a, b in zip(ids, ids[1:]):
+                for a, b in itertools.pairwise(ids):
                     sib[a] = b
                 prev_chain = ci
             T = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
