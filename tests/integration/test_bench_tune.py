@@ -126,3 +126,101 @@ def test_tune_on_the_tiny_model(tiny_dir: Path, tmp_path: Path, capsys: pytest.C
     assert f"**{FAILED} failed:**" in md and "skipped NGRAM:draft=4;tree=ddtree" in md
     assert "### Output throughput (tok/s)" in md and "| NONE (baseline) |" in md
     assert "concurrency 1:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--engine", "vllm", "--grid", "NGRAM:draft=4"], "vllm has no flag for draft; vLLM's ngram drafts"),
+    (["--engine", "sglang", "--grid", "NGRAM:steps=4"], "sglang has no flag for steps"),
+    (["--engine", "sglang", "--grid", "NGRAM", "--launcher", "/bin/false"], "cannot tell the sglang version"),
+    (["--engine", "sglang", "--grid", "NGRAM", "--launcher", "/bin/false", "--engine-version", "0.5.23"],
+     "the sglang baseline did not start (server exited with code 1"),
+    (["--grid", "NGRAM", "--launcher", "/opt/x/bin/python"], "are for --engine sglang|vllm"),
+])
+def test_engine_tune_bad_input_is_one_line(argv: list[str], message: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tune"
+    assert main(["bench", "tune", "--model", "/m", "--no-progress", "--server-timeout", "30", "--out-dir", str(out),
+                 *argv]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
+    assert len(err) == 1 and message in err[0] and err[0].startswith("error:"), err
+    assert not out.exists()  # nothing half-written
+
+
+def test_engine_dry_run_says_what_each_release_does(capsys: pytest.CaptureFixture[str]) -> None:
+    grid = "EAGLE3:steps=3;topk=1,4;path=/d DFLASH:block=16;path=/d NGRAM NONE"
+    lines = {}
+    for version in ("0.5.10", "0.5.23"):
+        assert main(["bench", "tune", "--engine", "sglang", "--engine-version", version, "--model", "/m", "--grid",
+                     grid, "--out-dir", "/nonexistent", "--dry-run", "--launcher", "/opt/sglang/bin/python"]) == 0
+        lines[version] = {d["name"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    old, new = lines["0.5.10"], lines["0.5.23"]
+    assert list(old) == list(new) == ["NONE", "EAGLE3:steps=3;topk=1;path=/d", "EAGLE3:steps=3;topk=4;path=/d",
+                                      "DFLASH:block=16;path=/d;tree=chain", "NGRAM"]
+    assert set(old["NONE"]) == {"name", "argv", "env", "notes"}
+    assert old["NONE"]["argv"][:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+    assert old["DFLASH:block=16;path=/d;tree=chain"]["argv"] is None
+    assert "no --speculative-algorithm DFLASH" in old["DFLASH:block=16;path=/d;tree=chain"]["skipped"]
+    assert new["DFLASH:block=16;path=/d;tree=chain"]["argv"] is not None
+    chain, tree = old["EAGLE3:steps=3;topk=1;path=/d"], old["EAGLE3:steps=3;topk=4;path=/d"]
+    assert chain["env"] == {"SGLANG_ENABLE_SPEC_V2": "True"} and tree["env"] == {}
+    assert any("non-overlap path" in n for n in tree["notes"])
+    assert any("page size 1 runs on the overlap" in n for n in new["EAGLE3:steps=3;topk=4;path=/d"]["notes"])
+
+
+def engine_tune(path: Path, version: str, flags: dict[str, Any]) -> Path:
+    """A tune.json of an SGLang tune whose winner at concurrency 30 has `flags`."""
+    path.write_text(json.dumps({"kind": "tune", "engine": "sglang", "engine_version": version, "winners": [
+        {"concurrency": 30, "config": "picked", "flags": flags, "output_tok_s": 300.0,
+         "baseline_output_tok_s": 200.0, "ratio_to_baseline": 1.5}]}))
+    return path
+
+
+def test_tune_then_freeze_from_tune(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench tune --engine specserve` on a small grid, then `deploy freeze --from-tune` of the winner; the same
+    tune refused for another engine, and an SGLang tune's winner refused for a release that lacks its flags."""
+    out = tmp_path / "tune"
+    assert main(["bench", "tune", "--engine", "specserve", "--model", str(tiny_dir), "--device", "cpu", "--grid",
+                 "NGRAM:draft=4", "--concurrency", "1", "--num-prompts", "2", "--output-len", "8", "--ignore-eos",
+                 "--seed", "0", "--server-timeout", "120", "--no-progress", "--out-dir", str(out)]) == 0
+    report = json.loads((out / "tune.json").read_text())
+    assert report["engine"] == "specserve" and (out / "tune.png").is_file()
+    winner = report["winners"][0]["config"]
+    serve = tmp_path / "serve.yaml"
+    serve.write_text(f"model: {tiny_dir}\ndevice: cpu\napi-key: s3cret\ntool-call-parser: qwen25\n"
+                     "speculative-algorithm: STANDALONE\nspeculative-num-steps: 3\n")
+    deploy = tmp_path / "deploy"
+    assert main(["deploy", "freeze", "--config", str(serve), "--from-tune", str(out / "tune.json"),
+                 "--concurrency", "1", "--out", str(deploy)]) == 0
+    frozen = (deploy / "serve.yaml").read_text()
+    want = "NGRAM" if winner != "NONE" else "NONE"
+    assert f"speculative-algorithm: {want}" in frozen and "tool-call-parser: qwen25" in frozen
+    assert "speculative-num-steps: 3" not in (deploy / "tuned.yaml").read_text()  # the tune's flags replace them
+    assert "SPECSERVE_API_KEY=s3cret" in (deploy / "specserve.env").read_text()
+    assert f"`bench tune` winner at concurrency 1: `{winner}`" in (deploy / "production.md").read_text()
+    capsys.readouterr()
+    assert main(["deploy", "freeze", "--config", str(serve), "--from-tune", str(out / "tune.json"),
+                 "--concurrency", "1", "--engine", "sglang", "--out", str(tmp_path / "x")]) == 2
+    assert "was tuned on specserve" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+    sglang_tune = engine_tune(tmp_path / "sglang-tune.json", "0.5.23",
+                              {"speculative-algorithm": "NGRAM", "speculative-num-draft-tokens": 8})
+    hicache = tmp_path / "hicache.yaml"
+    hicache.write_text(serve.read_text() + "enable-hierarchical-cache: true\nhicache-size: 4\n")
+    export = tmp_path / "sglang"
+    assert main(["deploy", "freeze", "--engine", "sglang", "--config", str(hicache), "--from-tune", str(sglang_tune),
+                 "--concurrency", "30", "--out", str(export)]) == 0
+    facts = json.loads((export / "export.json").read_text())
+    argv = facts["argv"]
+    assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM" and "--enable-hierarchical-cache" in argv
+    assert argv[argv.index("--tool-call-parser") + 1] == "qwen25" and argv[argv.index("--api-key") + 1] == "$API_KEY"
+    assert "API_KEY=s3cret" in (export / "sglang.env").read_text()
+    assert "1.50x the plain-decoding baseline" in (export / "production.md").read_text()
+
+    dflash = engine_tune(tmp_path / "dflash-tune.json", "0.5.10", {
+        "speculative-algorithm": "DFLASH", "speculative-draft-model-path": "/d", "speculative-dflash-block-size": 8})
+    capsys.readouterr()
+    assert main(["deploy", "freeze", "--engine", "sglang", "--config", str(serve), "--from-tune", str(dflash),
+                 "--concurrency", "30", "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "SGLang 0.5.10 would not run this export" in err and "--force" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "refused").exists()

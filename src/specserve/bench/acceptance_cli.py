@@ -1,4 +1,5 @@
-"""`specserve bench acceptance`: accept length and speedup per task, plain vs speculative, one process."""
+"""`specserve bench acceptance`: accept length and speedup per task, plain vs speculative, one process; or, with
+`--base-url`, accept length per task through a running server (`remote_acceptance.py`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,38 @@ def add_acceptance_parser(subparsers: Any) -> None:
                         "adds their accept lengths, mean, standard deviation and standard error")
     p.add_argument("--reference-draft", default=None, help="a reference drafter to compare ours with")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (always printed to stdout too)")
+    r = p.add_argument_group("through a running server (specserve, SGLang, vLLM)")
+    r.add_argument("--base-url", default=None, help="measure through this server instead of offline")
+    r.add_argument("--reference-base-url", default=None, help="a server with the reference drafter, task by task")
+    r.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    r.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' to both servers")
+    r.add_argument("--source", default="auto", choices=("auto", "response", "metrics"),
+                   help="per-request figures from the response's meta_info, or /metrics deltas (auto: the first)")
+    r.add_argument("--tokenizer", default=None, help="for the loop measure (default: the served model's, if local)")
     p.set_defaults(func=cmd_acceptance)
+
+
+def cmd_remote_acceptance(a: argparse.Namespace) -> int:
+    from specserve.bench.remote_acceptance import RemoteConfig, run_remote_acceptance
+    from specserve.bench.suites import load_suite
+
+    if a.seeds != 1 or a.reference_draft:
+        raise ValueError("--seeds and --reference-draft are offline options; with --base-url give "
+                         "--reference-base-url for a reference")
+    tasks = load_suite(a.suite)[: a.num_tasks]
+    new = a.max_new_tokens or (32 if a.suite == "heldout-code" else 128)
+    cfg = RemoteConfig(a.base_url, new, a.temperature, a.seed, a.served_model, a.api_key, a.source)
+    ref = RemoteConfig(a.reference_base_url, new, a.temperature, a.seed, a.served_model, a.api_key, a.source) \
+        if a.reference_base_url else None
+    report = run_remote_acceptance(tasks, cfg, ref, a.tokenizer)
+    report["config"]["suite"] = a.suite
+    report["command_line"] = sys.argv
+    text = json.dumps(report, indent=2)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(text)
+    return 0
 
 
 def seed_summary(accept_lengths: list[float], first_seed: int) -> dict[str, Any]:
@@ -48,6 +80,8 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
     from specserve.engine.llm import LLM
     from specserve.speculative.factory import DrafterBuilder, plan_drafter
 
+    if a.base_url:
+        return cmd_remote_acceptance(a)
     tasks = load_suite(a.suite)[: a.num_tasks]
     new = a.max_new_tokens or (32 if a.suite == "heldout-code" else 128)
     params = SamplingParams(max_new_tokens=new, temperature=a.temperature, seed=a.seed, ignore_eos=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 from specserve.bench.serving_cli import add_serving_parser, cmd_serving, concurrency_list
 from specserve.bench.trace import add_trace_parser
-from specserve.bench.tune import cmd_tune
+from specserve.bench.tune import add_engine_args, cmd_tune
 
 
 def add_bench_parsers(subparsers: Any) -> None:
@@ -50,6 +50,7 @@ def add_bench_parsers(subparsers: Any) -> None:
     t.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server gets to answer /health")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--out-dir", required=True, type=Path, help="run JSONs, server logs, tune.json and tune.md")
+    add_engine_args(t)
     t.set_defaults(func=cmd_tune)
 
 

@@ -226,3 +226,34 @@ def prefix_cache_from_metrics(before: dict[str, float] | None,
         "host_to_device_blocks": delta("hicache_moves_total", 'direction="host_to_device"'),
         "source": source,
     }
+
+
+def verify_steps_from_metrics(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Verify steps between two scrapes: the `_count` of an `*accept*` summary (specserve), else the delta of
+    `*num_drafts*` (vLLM); None where neither moved (SGLang's gauge has no count)."""
+    b, a = _by_name(before), _by_name(after)
+    for name in sorted(a):
+        if "accept" in name and name.endswith("_count") and _delta(b, a, name) > 0:
+            return _delta(b, a, name)
+    drafts = sorted((n for n in a if "num_drafts" in n and not n.endswith(_SUFFIXES[2:])), key=len)
+    if drafts and _delta(b, a, drafts[0]) > 0:
+        return _delta(b, a, drafts[0])
+    return None
+
+
+def accepted_per_position_from_metrics(before: dict[str, float], after: dict[str, float]) -> list[float]:
+    """Accepted drafts per draft position between two scrapes, position 0 first, from counters labelled
+    `position` (specserve_spec_accepted_tokens_total, from 1; vLLM's *num_accepted_tokens_per_pos*, from 0), the
+    first draft position first; [] where none."""
+    per: dict[int, float] = {}
+    for key, value in after.items():
+        name, _, labels = key.partition("{")
+        if not (name.endswith("accepted_tokens_total") or "accepted_tokens_per_pos" in name):
+            continue
+        pos = next((p.split("=", 1)[1].strip('"') for p in labels.rstrip("}").split(",")
+                    if p.strip().startswith("position=")), None)
+        if pos is None or not pos.isdigit():
+            continue
+        per[int(pos)] = per.get(int(pos), 0.0) + value - before.get(key, 0.0)
+    lo = min(per, default=0)  # specserve counts positions from 1, vLLM from 0
+    return [per.get(i, 0.0) for i in range(lo, max(per) + 1)] if per else []

@@ -16,6 +16,13 @@ A server that does not come up is reported with its log tail and the tune goes o
 DIR/tune.json (for the deploy step: each config's `flags` are `specserve serve --config` YAML keys)
 and DIR/tune.md: the winner per concurrency by output tok/s and its ratio to NONE, then the tables.
 Exit codes: 0 all configurations ran; 1 some failed (files still written); 2 unusable input.
+
+`--engine sglang|vllm` serves each configuration with that engine instead (`engine_launch.py`: `--launcher`,
+`--engine-version`, the commands from the deploy engine maps and the engine's version rules, printed as notes
+before anything starts); a configuration the release cannot run is skipped with the reason, and a grid key the
+engine has no flag for is an error. There the baseline must come up: when it does not (a launcher that exits at
+once, a wrong model), the tune stops with exit 2 and removes what it wrote. `--dry-run` prints one JSON object a
+line, `{"name", "argv", "env", "notes"}` (plus `"skipped"` with the reason), and launches nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import itertools
 import json
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +47,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from specserve.bench import engine_launch
 from specserve.bench.compare import serving_section
 from specserve.bench.runs import Run
 from specserve.bench.serving_cli import add_serving_parser, cmd_serving
@@ -245,11 +254,103 @@ def _serving_namespace(tokens: list[str]) -> argparse.Namespace:
     return parser.parse_args(["serving", *tokens])
 
 
+def add_engine_args(t: argparse.ArgumentParser) -> None:
+    """The engine options of `bench tune` (which engine serves the grid, how it starts, --dry-run)."""
+    t.add_argument("--engine", choices=engine_launch.ENGINES, default="specserve",
+                   help="the server each configuration runs on (its flags mapped by the deploy engine maps)")
+    t.add_argument("--launcher", default=None,
+                   help='how the engine starts: a prefix such as "/opt/sglang/bin/python", "docker run ... IMAGE" or '
+                        '"ssh gpu-host" (sglang/vllm only)')
+    t.add_argument("--engine-version", default=None, help="the engine release (default: asked of the launcher)")
+    t.add_argument("--engine-host", default="127.0.0.1", help="address the engine binds and the sweep reaches")
+    t.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page of sglang/vllm (default: the engine's, 1 for SGLang, 16 for vLLM)")
+    t.add_argument("--version-timeout", type=float, default=60.0, help="seconds the version question may take")
+    t.add_argument("--dry-run", action="store_true", help="print each configuration's command as JSON; launch none")
+
+
+def _engine_defaults(entries: list[GridEntry], engine: str) -> list[GridEntry]:
+    """specserve's default shapes the engine has not: DFLASH verifies its block as a chain on both engines (not a
+    DDTree), vLLM's ngram drafts a chain (not a tree of matches). Only where the grid gave no tree."""
+    chain = ("DFLASH",) if engine == "sglang" else ("DFLASH", "NGRAM") if engine == "vllm" else ()
+    return [GridEntry(e.algorithm, (*e.values, ("tree", ("chain",))))
+            if e.algorithm in chain and "tree" not in dict(e.values) else e for e in entries]
+
+
+def _specserve_argv(args: argparse.Namespace, cand: Candidate) -> list[str]:
+    return [sys.executable, "-m", "specserve.server.cli", "--model", args.model, "--device", args.device, "--dtype",
+            args.dtype, *cand.tokens(), "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
+
+
+def plan_launches(args: argparse.Namespace, candidates: list[Candidate],
+                  notes: list[str]) -> tuple[list[dict[str, Any]], str | None]:
+    """Per configuration {"name", "argv" (port 0), "env", "notes", "candidate"} or {..., "skipped": reason}, and the
+    engine version; the engine's notes and skips are added to `notes`."""
+    if args.engine == "specserve":
+        if args.launcher or args.engine_version or args.page_size:
+            raise ValueError("--launcher, --engine-version and --page-size are for --engine sglang|vllm")
+        return [{"name": c.name, "argv": _specserve_argv(args, c), "env": {}, "notes": [], "candidate": c}
+                for c in candidates], None
+    version = args.engine_version
+    if version is None:
+        version, said = engine_launch.detect_version(args.engine, args.launcher, args.version_timeout)
+        if version is None and not args.dry_run:
+            raise ValueError(f"cannot tell the {args.engine} version: {said}; fix --launcher (how {args.engine} "
+                             f"starts) or give --engine-version")
+        notes.append(f"{args.engine} version: {said}" if version else
+                     f"{args.engine} version unknown ({said}): judged as the newest release the rules were checked "
+                     "against; give --engine-version")
+    page = args.page_size or (1 if args.engine == "sglang" else 16)
+    named = [(c.name, c.speculative) for c in candidates]
+    planned = engine_launch.plan_commands(args.engine, version, args.model, named, args.engine_host, page,
+                                          adaptive=False)
+    words = engine_launch.launcher_words(args.engine, args.launcher)
+    out: list[dict[str, Any]] = []
+    for cand, p in zip(candidates, planned, strict=True):
+        notes.extend(f"{cand.name}: {n}" for n in p["notes"] if f"{cand.name}: {n}" not in notes)
+        if p["skip"]:
+            notes.append(f"skipped {cand.name}: {p['skip']}")
+            out.append({"name": cand.name, "argv": None, "env": p["env"], "notes": p["notes"], "skipped": p["skip"]})
+            continue
+        argv = engine_launch.with_launcher(p["argv"], args.engine, words)
+        out.append({"name": cand.name, "argv": argv, "env": p["env"], "notes": p["notes"], "candidate": cand})
+    if not out or out[0].get("skipped"):
+        raise ValueError(f"{args.engine} cannot serve the baseline: {out[0].get('skipped') if out else 'no config'}")
+    return out, version
+
+
+def _launch(args: argparse.Namespace, launch: dict[str, Any], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    if args.engine == "specserve":
+        cand: Candidate = launch["candidate"]
+        return start_server(args.model, ["--device", args.device, "--dtype", args.dtype, *cand.tokens()], log,
+                            args.server_timeout)
+    port = free_port()
+    host = args.engine_host
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    argv = engine_launch.with_port(launch["argv"], port)
+    return engine_launch.start_engine(argv, launch["env"], url, log, args.server_timeout), url
+
+
+def _stop(args: argparse.Namespace, proc: subprocess.Popen[bytes]) -> None:
+    (stop_server if args.engine == "specserve" else engine_launch.stop_engine)(proc)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from specserve.bench.datasets import load_dataset
 
+    fresh_dir = not args.out_dir.exists()
     try:
-        candidates, notes = plan_grid(parse_grid(args.grid), args.model)
+        entries = parse_grid(args.grid)
+        engine_launch.check_grid_keys(args.engine, [(e.algorithm, [k for k, _ in e.values]) for e in entries])
+        candidates, notes = plan_grid(_engine_defaults(entries, args.engine), args.model)
+        launches, version = plan_launches(args, candidates, notes)
+        if args.dry_run:
+            for launch in launches:
+                line = {k: launch[k] for k in ("name", "argv", "env", "notes")}
+                print(json.dumps({**line, **({"skipped": launch["skipped"]} if "skipped" in launch else {})}))
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+            return 0
         load_dataset(args.dataset, args.num_prompts, args.seed or 0, args.random_input_len)  # fail before serving
         args.out_dir.mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError) as e:
@@ -262,22 +363,34 @@ def cmd_tune(args: argparse.Namespace) -> int:
              str(args.random_input_len), "--output-len", str(args.output_len), "--temperature", str(args.temperature),
              "--continuous-usage", "--no-progress", *(["--seed", str(args.seed)] if args.seed is not None else []),
              *(["--ignore-eos"] if args.ignore_eos else [])]
-    server_extra = ["--device", args.device, "--dtype", args.dtype]
     configs: list[dict[str, Any]] = []
     outcomes: list[dict[str, Any]] = []
     runs: list[Run] = []
-    bar = tqdm(candidates, desc="tune", unit="config", disable=args.no_progress, file=sys.stderr)
-    for i, cand in enumerate(bar):
+    written: list[Path] = []
+    to_run = [launch for launch in launches if "skipped" not in launch]
+    bar = tqdm(to_run, desc="tune", unit="config", disable=args.no_progress, file=sys.stderr)
+    for i, launch in enumerate(bar):
+        cand = launch["candidate"]
         bar.set_postfix_str(cand.name)
         stem = f"{i:02d}-" + re.sub(r"[^A-Za-z0-9]+", "-", cand.name).strip("-")[:60]
         log, out = args.out_dir / f"{stem}.server.log", args.out_dir / f"{stem}.json"
+        written += [log, out]
         entry: dict[str, Any] = {"name": cand.name, "flags": dict(cand.flags), "resolved": asdict(cand.speculative),
                                  "run": None, "server_log": log.name, "error": None, "log_tail": None}
+        if args.engine != "specserve":
+            entry.update(engine_argv=launch["argv"], engine_env=launch["env"], engine_notes=launch["notes"])
         configs.append(entry)
         try:
-            proc, url = start_server(args.model, [*server_extra, *cand.tokens()], log, args.server_timeout)
+            proc, url = _launch(args, launch, log)
         except RuntimeError as e:
             entry.update(error=str(e), log_tail=log_tail(log))
+            if args.engine != "specserve" and i == 0:  # the baseline: nothing else will start either
+                bar.close()
+                last = (entry["log_tail"] or "(empty log)").splitlines()[-1]
+                print(f"error: the {args.engine} baseline did not start ({e}; last log line: {last}); fix --launcher "
+                      f"or --model (command: {shlex.join(launch['argv'])})", file=sys.stderr)
+                _remove(written, args.out_dir if fresh_dir else None)
+                return 2
             tqdm.write(f"{cand.name}: {e}\n{entry['log_tail']}", file=sys.stderr)
             continue
         try:
@@ -285,7 +398,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             tokens = ["--base-url", url, *sweep, "--out", str(out)]
             code = cmd_serving(_serving_namespace(tokens), argv=["specserve", "bench", "serving", *tokens])
         finally:
-            stop_server(proc)
+            _stop(args, proc)
         if not out.exists() or out.stat().st_size == 0:
             entry["error"] = f"bench serving exited with {code} without a run JSON"
             continue
@@ -300,13 +413,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
         "kind": "tune", "schema_version": 1, "baseline": BASELINE, "model": args.model, "device": args.device,
         "dtype": args.dtype, "concurrency": args.concurrency, "dataset": args.dataset,
         "num_prompts": args.num_prompts, "output_len": args.output_len, "temperature": args.temperature,
+        "engine": args.engine, "engine_version": version, "launcher": args.launcher,
         "configs": configs, "notes": notes, "winners": pick_winners(outcomes, args.concurrency),
         "command_line": list(sys.argv),
     }
     (args.out_dir / "tune.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (args.out_dir / "tune.md").write_text(render_markdown(report, runs), encoding="utf-8")
+    plotted = _plot(runs, args.out_dir / "tune.png")
     for w in report["winners"]:
         ratio = "-" if w["ratio_to_baseline"] is None else f"{w['ratio_to_baseline']:.2f}x NONE"
         print(f"concurrency {w['concurrency']}: {w['config'] or 'no successful run'} ({ratio})")
-    print(f"wrote {args.out_dir / 'tune.json'} and {args.out_dir / 'tune.md'}")
+    print(f"wrote {args.out_dir / 'tune.json'} and {args.out_dir / 'tune.md'}" + (" and tune.png" if plotted else ""))
     return 1 if any(c["error"] for c in configs) else 0
+
+
+def _plot(runs: list[Run], path: Path) -> bool:
+    if not runs:
+        return False
+    from specserve.bench.plots import plot_runs
+
+    plot_runs(runs, path)
+    return True
+
+
+def _remove(paths: list[Path], directory: Path | None) -> None:
+    """Undo a tune that could not start: its files, and its directory when this tune created it."""
+    for p in paths:
+        p.unlink(missing_ok=True)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)

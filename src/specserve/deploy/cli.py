@@ -24,6 +24,14 @@ def add_deploy_parsers(subparsers: Any) -> None:
     f.add_argument("--python", default=sys.executable, help="interpreter with specserve installed, on the server")
     f.add_argument("--target-dir", type=Path, default=None, help="where --out will live on the server")
     f.add_argument("--health-timeout", type=int, default=600, help="seconds the unit waits for /health at start")
+    t = f.add_argument_group("from a tune (the winner's speculative flags replace those of --config)")
+    t.add_argument("--from-tune", type=Path, default=None, help="a `bench tune` tune.json")
+    t.add_argument("--concurrency", type=int, default=None, help="the level whose winner is frozen")
+    t.add_argument("--engine", choices=("specserve", "sglang", "vllm"), default=None,
+                   help="default: the engine the tune ran on")
+    t.add_argument("--engine-version", default=None, help="the release deployed (default: the tune's)")
+    t.add_argument("--force", action="store_true", help="write a command that release's parser rejects (warned)")
+    t.add_argument("--hierarchical-cache", action="store_true", help="SGLang HiCache (GPU -> host KV tier)")
     f.set_defaults(func=cmd_freeze)
 
     i = subparsers.add_parser("install", help="install a frozen deploy directory as a systemd service")
@@ -59,6 +67,8 @@ def _error(command: str, e: Exception) -> int:
 def cmd_freeze(a: argparse.Namespace) -> int:
     from specserve.deploy.freeze import FreezeConfig, freeze
 
+    if a.from_tune is not None or a.concurrency is not None or a.engine not in (None, "specserve"):
+        return _freeze_tuned(a)
     try:
         facts = freeze(FreezeConfig(config=a.config, out=a.out, bench=tuple(a.bench), user=a.user, python=a.python,
                                     target_dir=a.target_dir, health_timeout=a.health_timeout))
@@ -66,6 +76,27 @@ def cmd_freeze(a: argparse.Namespace) -> int:
         return _error("freeze", e)
     print(f"wrote {a.out}/production.md, {facts['unit']}, specserve.env, serve.yaml, deploy.json")
     print(f"start command: {facts['exec_start']}")
+    return 0
+
+
+def _freeze_tuned(a: argparse.Namespace) -> int:
+    from specserve.deploy.freeze_tuned import freeze_tuned
+
+    try:
+        if a.from_tune is None or a.concurrency is None:
+            raise ValueError("--engine sglang|vllm and --concurrency freeze a tune's winner: give --from-tune "
+                             "tune.json and --concurrency N")
+        if a.bench:
+            raise ValueError("--bench is not used with --from-tune (the tune's runs are the evidence)")
+        facts = freeze_tuned(a.config, a.from_tune, a.concurrency, a.out, a.engine, a.engine_version, a.force,
+                             a.hierarchical_cache)
+    except (ValueError, OSError) as e:
+        return _error("freeze", e)
+    if "argv" in facts:
+        print(f"wrote {a.out}: tuned.yaml, production.md, launch.sh, {facts['unit']}, EXPORT.md, export.json")
+    else:
+        print(f"wrote {a.out}: tuned.yaml, production.md, {facts['unit']}, specserve.env, serve.yaml, deploy.json")
+        print(f"start command: {facts['exec_start']}")
     return 0
 
 
