@@ -268,7 +268,7 @@ FAKE_ENGINE = '#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n'
 
 @needs_analyze
 @pytest.mark.parametrize(("engine", "algorithm"), [("sglang", "EAGLE3"), ("vllm", "EAGLE3"), ("sglang", "DFLASH"),
-                                                   ("vllm", "DFLASH"), ("vllm", "NGRAM")])
+                                                   ("vllm", "DFLASH"), ("vllm", "NGRAM"), ("vllm", "SUFFIX")])
 def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_dir: Path, engine: str,
                                                            algorithm: str) -> None:
     target = load_config(tiny_dir)
@@ -312,7 +312,8 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
     mapped = {m["flag"] for m in facts["mapped"]}
     assert mapped | unmapped >= NEW_FLAGS and not mapped & unmapped & NEW_FLAGS  # each engine flag, once
     env_file = (out / f"{engine}.env").read_text().splitlines()
-    drafter_cfg = json.loads((out / "drafter" / "config.json").read_text()) if algorithm != "NGRAM" else {}
+    drafter_cfg = json.loads((out / "drafter" / "config.json").read_text()) if algorithm in ("EAGLE3", "DFLASH") \
+        else {}
     if engine == "sglang":
         assert args["--speculative-algorithm"] == algorithm and args["--tp-size"] == "2"
         assert args["--max-queued-requests"] == "17" and args["--tool-call-parser"] == "qwen25"
@@ -322,8 +323,8 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
         assert args["--chunked-prefill-size"] == str(settings["max_num_batched_tokens"])
     else:
         sc = json.loads(args["--speculative-config"])
-        method = {"EAGLE3": "eagle3", "DFLASH": "dflash", "NGRAM": "ngram"}[algorithm]
-        steps = {"EAGLE3": 3, "DFLASH": 3, "NGRAM": 6}[algorithm]  # DFLASH: block 4 minus the root
+        method = {"EAGLE3": "eagle3", "DFLASH": "dflash", "NGRAM": "ngram", "SUFFIX": "suffix"}[algorithm]
+        steps = {"EAGLE3": 3, "DFLASH": 3, "NGRAM": 6, "SUFFIX": 16}[algorithm]  # DFLASH: block 4 minus the root
         assert sc["method"] == method and sc["num_speculative_tokens"] == steps
         assert args["--tensor-parallel-size"] == "2" and args["--tool-call-parser"] == "hermes"
         assert "--enable-auto-tool-choice" in seen
@@ -331,8 +332,10 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
         seqs = settings.get("max_num_seqs", 64)
         assert args["--max-num-seqs"] == str(seqs) and args["--max-num-queued-reqs"] == str(17 + seqs)
         assert "--speculative-adaptive" in unmapped if settings is not ENGINE_B else "--speculative-adaptive" in mapped
-        if algorithm != "NGRAM":
+        if algorithm in ("EAGLE3", "DFLASH"):
             assert sc["model"] == str(out.resolve() / "drafter")
+        if algorithm == "SUFFIX":  # vLLM's suffix_decoding_* settings, from the speculative_suffix_* flags
+            assert sc["suffix_decoding_max_tree_depth"] == 24 and sc["suffix_decoding_max_cached_requests"] == 1000
     if settings is ENGINE_A:
         assert "--speculative-adaptive-profile" in unmapped and "--hicache-size" in mapped
         assert "--disable-radix-cache" not in seen and "--no-enable-prefix-caching" not in seen

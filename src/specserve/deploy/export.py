@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from specserve.config import MODEL_FREE
 from specserve.deploy import health
 from specserve.deploy.engine_map import API_KEY_REF, EngineCommand, build_command
 from specserve.deploy.freeze import load_serve_config, local_url, write_file
@@ -62,7 +63,7 @@ class EngineExportConfig:
 def _export_drafter(ec: EngineExportConfig, cfg: ServeConfig, target: Path) -> tuple[str | None, dict[str, Any]]:
     """(drafter path for the engine, facts) — re-exported for EAGLE3/DFLASH, as is for STANDALONE."""
     s = cfg.speculative
-    if s.algorithm in ("NONE", "NGRAM"):
+    if s.algorithm in ("NONE", *MODEL_FREE):
         return None, {}
     assert s.draft_model_path is not None
     source = resolve_model_path(s.draft_model_path).resolve()

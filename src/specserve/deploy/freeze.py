@@ -113,6 +113,11 @@ def _speculative_entries(cfg: ServeConfig) -> dict[str, Any]:
     if s.algorithm == "NGRAM":
         e.update(speculative_ngram_min_match=s.ngram_min_match, speculative_ngram_max_match=s.ngram_max_match,
                  speculative_ngram_max_breadth=s.ngram_max_breadth)
+    if s.algorithm == "SUFFIX":
+        e.update(speculative_suffix_max_tree_depth=s.suffix_max_tree_depth,
+                 speculative_suffix_max_cached_requests=s.suffix_max_cached_requests,
+                 speculative_suffix_max_spec_factor=s.suffix_max_spec_factor,
+                 speculative_suffix_min_token_prob=s.suffix_min_token_prob)
     return e
 
 
