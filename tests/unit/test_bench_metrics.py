@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specserve.bench.datasets import Prompt
@@ -109,6 +111,21 @@ def test_stream_reader_counts_tokens_from_usage_then_logprobs_then_one_per_chunk
     final_usage_in_last_chunk.feed({"choices": [{"text": "b"}], "usage": {"completion_tokens": 2}}, 0.2)
     assert [c.tokens for c in final_usage_in_last_chunk.chunks] == [1, 1]
     assert final_usage_in_last_chunk.usage_tokens == 2
+
+
+def test_stream_reader_retokenizes_chunks_without_token_info(tmp_path: Path) -> None:
+    """Rule 3 (SGLang's bench_serving): a chunk's text re-tokenized when neither usage nor logprobs say."""
+    from specserve.bench.serving_cli import chunk_counter
+
+    count = chunk_counter("demo", "http://127.0.0.1:9", None)
+    assert count is not None
+    r = StreamReader(count_tokens=count)
+    r.feed({"choices": [{"text": "def fizzbuzz(n):"}]}, 0.1)  # several tokens in one chunk (speculation)
+    r.feed({"choices": [{"text": "x", "logprobs": {"tokens": ["x", "y"]}}]}, 0.2)  # logprobs still win
+    assert [c.tokens for c in r.chunks] == [count("def fizzbuzz(n):"), 2] and r.chunks[0].tokens > 1
+    assert chunk_counter(None, "http://127.0.0.1:9", None) is None  # no server to ask: one token a chunk
+    with pytest.raises(ValueError, match="--tokenizer"):
+        chunk_counter(str(tmp_path / "absent"), "http://127.0.0.1:9", None)
 
 
 def test_stream_reader_raises_on_error_events_and_non_objects() -> None:

@@ -5,9 +5,11 @@ Tokens per streamed chunk (what ITL divides by, see metrics.py), first rule that
      asked for with `continuous_usage=True`): the increase since the previous content chunk;
   2. the chunk carries logprobs (`logprobs.tokens` for completions, `logprobs.content` for chat):
      their number;
-  3. otherwise 1. A speculative server that packs several tokens into one chunk without telling
-     then shows ITL per chunk and a streamed count below its usage count; the run JSON keeps both
-     counts (`token_counts`) so the gap is visible.
+  3. with a tokenizer (`--tokenizer`, or the served model's where /server_info names a local checkpoint): the
+     chunk's text re-tokenized, as SGLang's bench_serving counts (a speculative server packs several tokens
+     into one chunk);
+  4. otherwise 1. Such a server then shows ITL per chunk and a streamed count below its usage count; the run
+     JSON keeps both counts (`token_counts`) so the gap is visible.
 A request's output token count is the final chunk's `usage.completion_tokens` when the server
 sends it (`stream_options.include_usage` is always asked for), else the streamed count.
 A content chunk is one with non-empty `text` (completions) or `delta.content` /
@@ -69,6 +71,7 @@ class ServingConfig:
     ignore_eos: bool = False  # sent only if the server accepts it (checked by the warm-up request)
     continuous_usage: bool = False  # ask for usage in every chunk (vLLM's stream_options.continuous_usage_stats)
     request_timeout_s: float = 600.0
+    count_tokens: Callable[[str], int] | None = None  # a chunk's tokens from its text (rule 3), when given
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -146,6 +149,7 @@ class StreamReader:
     # Usage in every content chunk (rule 1) only when the first content chunk had it: a server that
     # puts the final usage into the last content chunk must not have all tokens counted there.
     _cumulative: bool | None = None
+    count_tokens: Callable[[str], int] | None = None  # rule 3
 
     def feed_line(self, line: str, start: float) -> bool:
         """One line of the SSE stream (without its line break) of a request sent at `start` (perf_counter): a
@@ -169,11 +173,12 @@ class StreamReader:
         if not isinstance(cumulative, int):
             cumulative = None
         choices = event.get("choices") or []
-        has_text, n_logprobs = False, 0
+        has_text, n_logprobs, texts = False, 0, []
         for choice in choices if isinstance(choices, list) else []:
             if isinstance(choice, dict):
                 text, n = _choice_content(choice)
                 has_text, n_logprobs = has_text or bool(text) or n > 0, n_logprobs + n
+                texts.append(text)
                 delta = choice.get("delta")
                 content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
                 if isinstance(content, str):
@@ -185,7 +190,8 @@ class StreamReader:
                 n_tokens = cumulative - self._last_cumulative
                 self._last_cumulative = cumulative
             else:
-                n_tokens = n_logprobs or 1
+                retokenized = self.count_tokens("".join(texts)) if self.count_tokens is not None else 0
+                n_tokens = n_logprobs or retokenized or 1
                 self._last_cumulative += n_tokens
             if n_tokens > 0:  # else the gap rolls into the next chunk, as SGLang does
                 self.chunks.append(Chunk(t_s=t_s, tokens=n_tokens))
@@ -209,7 +215,7 @@ async def send_request(client: aiohttp.ClientSession, cfg: ServingConfig, prompt
 async def send_body(client: aiohttp.ClientSession, cfg: ServingConfig,
                     body: dict[str, Any]) -> tuple[RequestResult, str]:
     """One streamed request; its result and the answer's text."""
-    reader = StreamReader()
+    reader = StreamReader(count_tokens=cfg.count_tokens)
     start = time.perf_counter()
     try:
         async with client.post(cfg.url, json=body) as resp:

@@ -15,9 +15,12 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 SCHEMA_VERSION = 1
 
@@ -50,6 +53,10 @@ def add_serving_parser(subparsers: Any) -> None:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=None, help="shuffles the dataset and is sent as the sampling seed")
     s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="count a chunk's tokens by re-tokenizing its text, as SGLang's bench_serving does, when the "
+                        "server sends neither usage nor logprobs per chunk (a checkpoint directory or 'demo'; "
+                        "default: the served model's, where /server_info names a local checkpoint)")
     s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     s.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens, if accepted")
     s.add_argument("--continuous-usage", action="store_true",
@@ -87,6 +94,29 @@ def _level_line(level: dict[str, Any]) -> str:
     return line
 
 
+def chunk_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> Callable[[str], int] | None:
+    """Tokens of a chunk's text with `tokenizer`, else with the served model's tokenizer when `/server_info` names a
+    checkpoint on this machine; None when neither is at hand (chunks then count 1). ValueError: a bad --tokenizer."""
+    from specserve.models.loader import resolve_model_path
+    from specserve.tokenizer import Tokenizer
+
+    path = tokenizer
+    if path is None:
+        try:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            info = httpx.get(base_url.rstrip("/") + "/server_info", headers=headers, timeout=5).json()
+            path = info.get("model_path") if isinstance(info, dict) else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(path, str) or not Path(path, "tokenizer.json").is_file():
+            return None
+    try:
+        tok = Tokenizer(resolve_model_path(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer {path}: {e}") from None
+    return lambda text: len(tok.encode(text))
+
+
 def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specserve.bench.datasets import load_dataset, sample_conversations, sample_prompts
     from specserve.bench.serving import ServingConfig, run_sweep
@@ -95,7 +125,8 @@ def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         cfg = ServingConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                             output_len=args.output_len, temperature=args.temperature, seed=args.seed,
                             api_key=args.api_key, ignore_eos=args.ignore_eos, continuous_usage=args.continuous_usage,
-                            request_timeout_s=args.request_timeout)
+                            request_timeout_s=args.request_timeout,
+                            count_tokens=chunk_counter(args.tokenizer, args.base_url, args.api_key))
         seed = 0 if args.seed is None else args.seed
         dataset = load_dataset(args.dataset, args.num_prompts, seed, args.random_input_len, args.agentic_file_chars)
         conversations = sample_conversations(dataset, args.num_prompts, seed) if dataset.conversations else []
