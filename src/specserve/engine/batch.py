@@ -375,12 +375,13 @@ class BatchEngine:
             if tree is None:
                 masks.append(g.allowed()[None])
             else:
+                tree, node_masks = constrain_tree(g, tree)
                 forced = g.forced(len(item.slots) - 1) if self.config.grammar_forced_drafts else []
-                if len(forced) > int(tree.depths.max()):
-                    tree = DraftTree.chain(int(tree.tokens[0]), forced, device=self.device)
+                if len(forced) > int(tree.depths.max()):  # deeper than what is left of the drafter's tree
+                    tree, node_masks = constrain_tree(g, DraftTree.chain(int(tree.tokens[0]), forced,
+                                                                        device=self.device))
                     self.counters.forced_drafts += len(forced)
                     req.forced_drafts += len(forced)
-                tree, node_masks = constrain_tree(g, tree)
                 masks.append(node_masks)
             out.append(tree)
             self.counters.grammar_mask_s += g.mask_s - t0
