@@ -56,7 +56,8 @@ def add_serving_parser(subparsers: Any) -> None:
     s.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="count a chunk's tokens by re-tokenizing its text, as SGLang's bench_serving does, when the "
                         "server sends neither usage nor logprobs per chunk (a checkpoint directory or 'demo'; "
-                        "default: the served model's, where /server_info names a local checkpoint)")
+                        "default: the served model's, where /server_info names a local checkpoint; 'none': one "
+                        "token a chunk)")
     s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     s.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens, if accepted")
     s.add_argument("--continuous-usage", action="store_true",
@@ -100,6 +101,8 @@ def chunk_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> 
     from specserve.models.loader import resolve_model_path
     from specserve.tokenizer import Tokenizer
 
+    if tokenizer == "none":
+        return None
     path = tokenizer
     if path is None:
         try:
