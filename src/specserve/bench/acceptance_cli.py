@@ -52,14 +52,7 @@ def cmd_remote_acceptance(a: argparse.Namespace) -> int:
     ref = RemoteConfig(a.reference_base_url, new, a.temperature, a.seed, a.served_model, a.api_key, a.source) \
         if a.reference_base_url else None
     report = run_remote_acceptance(tasks, cfg, ref, a.tokenizer)
-    report["config"]["suite"] = a.suite
-    report["command_line"] = sys.argv
-    text = json.dumps(report, indent=2)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return _write(report, a)
 
 
 def seed_summary(accept_lengths: list[float], first_seed: int) -> dict[str, Any]:
@@ -104,6 +97,11 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
         report = {**report, "seeds": seed_summary([r["summary"]["accept_length"] for r in runs], a.seed),
                   "runs": [{"seed": a.seed + k, "summary": r["summary"], "tasks": r["tasks"]}
                            for k, r in enumerate(runs)]}
+    return _write(report, a)
+
+
+def _write(report: dict[str, Any], a: argparse.Namespace) -> int:
+    """The report with its suite and command line: printed, and written to --out when given."""
     report["config"]["suite"] = a.suite
     report["command_line"] = sys.argv
     text = json.dumps(report, indent=2)

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,13 @@ def start_engine(argv: Sequence[str], env: dict[str, str], url: str, log: Path,
                                     env={**os.environ, **env}, start_new_session=True)
         except OSError as e:
             raise RuntimeError(f"cannot start {argv[0]}: {e.strerror}") from None
+    return wait_healthy(proc, url, timeout_s, stop_engine)
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float,
+                 stop: Callable[..., None]) -> subprocess.Popen[bytes]:
+    """Poll `url`/health until it answers 200; the process stopped (with `stop`) and RuntimeError when it exits
+    first or `timeout_s` passes (or on Ctrl-C: no server is left behind)."""
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -138,11 +145,11 @@ def start_engine(argv: Sequence[str], env: dict[str, str], url: str, log: Path,
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                     return proc
-            time.sleep(0.5)
+            time.sleep(0.25)
     except BaseException:
-        stop_engine(proc, grace_s=0.0)
+        stop(proc, grace_s=0.0)
         raise
-    stop_engine(proc, grace_s=0.0)
+    stop(proc, grace_s=0.0)
     raise RuntimeError(f"server did not answer /health within {timeout_s:g} s (--server-timeout)")
 
 

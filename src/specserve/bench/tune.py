@@ -28,7 +28,6 @@ line, `{"name", "argv", "env", "notes"}` (plus `"skipped"` with the reason), and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import re
@@ -38,13 +37,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
 from specserve.bench import engine_launch
@@ -173,20 +170,7 @@ def start_server(model: str, extra: Sequence[str], log: Path, timeout_s: float,
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {proc.returncode} before /health answered")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    return proc, url
-            time.sleep(0.25)
-    except BaseException:  # Ctrl-C while waiting: no server is left behind
-        stop_server(proc, grace_s=0.0)
-        raise
-    stop_server(proc, grace_s=0.0)
-    raise RuntimeError(f"server did not answer /health within {timeout_s:g} s (--server-timeout)")
+    return engine_launch.wait_healthy(proc, url, timeout_s, stop_server), url
 
 
 def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
