@@ -24,19 +24,27 @@ import sys
 import types
 from typing import Any
 
+#: stubbed packages whose objects are built at import time (a call with no arguments gives another stub); the
+#: others raise there, so that device probes (SGLang's) fall back to the CPU
+LENIENT = ("xgrammar",)
+
 
 class _Meta(type):
     def __getattr__(cls, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return _stub(name)
+        return _stub(name, cls.__dict__.get("_lenient", False))
 
     def __call__(cls, *a: Any, **k: Any) -> Any:
         if not cls.__dict__.get("_stub"):  # a class deriving from a stub
             return super().__call__(*a, **k)
         if not a and not k:
+            if cls.__dict__.get("_lenient"):
+                return _stub(cls.__name__, True)
             raise RuntimeError("stub: no such runtime")
-        return a[0] if len(a) == 1 and callable(a[0]) and not k else _stub(cls.__name__)
+        if len(a) == 1 and callable(a[0]) and not k:  # a decorator
+            return a[0]
+        return _stub(cls.__name__, cls.__dict__.get("_lenient", False))
 
     def __getitem__(cls, item: Any) -> Any:
         return cls
@@ -50,15 +58,15 @@ class _Meta(type):
     __ror__ = __or__
 
 
-def _stub(name: str) -> Any:
-    return _Meta(name, (), {"_stub": True})
+def _stub(name: str, lenient: bool = False) -> Any:
+    return _Meta(name, (), {"_stub": True, "_lenient": lenient})
 
 
 class _StubModule(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return _stub(name)
+        return _stub(name, self.__name__.split(".")[0] in LENIENT)
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -34,7 +34,9 @@ DEPS: dict[str, tuple[str, ...]] = {
              "openai_harmony==0.0.8", "msgspec==0.23.0", "cloudpickle==3.1.3", "pybase64==1.5.1",
              "cachetools==8.0.2", "uvloop==0.23.0", "py-cpuinfo==9.0.0", "partial_json_parser==0.2.1.1.post7"),
 }
-STUBS: dict[str, tuple[str, ...]] = {"sglang": ("triton", "torchvision", "IPython"), "vllm": ("torchvision",)}
+#: heavy or compiled imports the parsers never call (xgrammar: vLLM's structured-output types at import time)
+STUBS: dict[str, tuple[str, ...]] = {"sglang": ("triton", "torchvision", "IPython"),
+                                     "vllm": ("torchvision", "xgrammar")}
 #: environment of the parser process: vLLM picks its platform at import time; a CPU torch gives it none
 CHILD_ENV: dict[str, dict[str, str]] = {"sglang": {}, "vllm": {"VLLM_TARGET_DEVICE": "cpu"}}
 _COMPILED = (".so", ".cubin", ".fatbin", ".a", ".o", ".dll", ".dylib")
@@ -71,8 +73,9 @@ def install(engine: str, version: str, timeout: float = 600.0) -> Path:
     if engine not in PEERS:
         raise ValueError(f"engine {engine!r}: use one of {', '.join(PEERS)}")
     final = release_dir(engine, version)
-    if (final / ".complete").is_file():
-        return final
+    done = final / ".complete"
+    if done.is_file() and json.loads(done.read_text()).get("deps") == list(DEPS[engine]):
+        return final  # else fetched with other pins: fetch again
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{engine}-{version}-") as tmp:
         work = Path(tmp)
