@@ -14,6 +14,7 @@ from specserve.cli_args import (
     add_model_args,
     add_sampling_args,
     add_speculative_args,
+    run_parsed,
     sampling_from_args,
     speculative_from_args,
 )
@@ -129,13 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    try:
-        return int(a.func(a))
-    except (ValueError, OSError) as e:
-        print(f"specserve {a.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_parsed(a, f"specserve {a.command}")
 
 
 if __name__ == "__main__":

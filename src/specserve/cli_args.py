@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specserve.config import ALGORITHMS, TREES, SpeculativeConfig
 from specserve.speculative.factory import default_draft_path, drafter_block_size
@@ -82,3 +83,15 @@ def speculative_from_args(a: argparse.Namespace) -> SpeculativeConfig:
         suffix_max_spec_factor=a.speculative_suffix_max_spec_factor,
         suffix_min_token_prob=a.speculative_suffix_min_token_prob,
     )
+
+
+def run_parsed(a: argparse.Namespace, prog: str) -> int:
+    """Run a parsed command's `func`: its exit code; a bad flag value or file (ValueError, OSError) is one
+    `PROG: error: ...` line and exit 2, Ctrl-C exit 130."""
+    try:
+        return int(a.func(a))
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

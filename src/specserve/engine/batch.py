@@ -61,7 +61,6 @@ class _Request:
     last_accepted: int | None = None  # drafts its last decided round accepted (verified or shadow)
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify round, bonus included
     draft_tokens: list[int] = field(default_factory=list)  # draft nodes verified per round
-
     forced_drafts: int = 0  # draft tokens its grammar forced
 
     def stats(self) -> RequestStats:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specserve.cli_args import run_parsed
 from specserve.server.serve_config import ServeConfig, add_serve_arguments, mark_defaults, serve_config_from_args
 
 
@@ -85,14 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_flags(parser)
-    a = parser.parse_args(argv)
-    try:
-        return int(a.func(a))
-    except (ValueError, OSError) as e:
-        print(f"specserve serve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_parsed(parser.parse_args(argv), "specserve serve")
 
 
 if __name__ == "__main__":

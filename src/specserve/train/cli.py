@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specserve.cli_args import run_parsed
+
 if TYPE_CHECKING:
     from specserve.train.trainer import Trainer
 
@@ -224,11 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_parsers(parser.add_subparsers(dest="command", required=True))
     a = parser.parse_args(argv)
-    try:
-        return int(a.func(a))
-    except (ValueError, OSError) as e:
-        print(f"specserve train {a.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run_parsed(a, f"specserve train {a.command}")
 
 
 if __name__ == "__main__":
