@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from specserve.speculative.trees.tree import DraftTree
+from specserve.tokenizer import Tokenizer
 from specserve.types import Grammar
 
 #: compiled grammars kept per compiler (most recently used)
@@ -28,9 +29,9 @@ CACHE_SIZE = 256
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         """`vocab_size`: the model's (logits rows; ids past the tokenizer's are never allowed)."""
-        self._tokenizer_json = tokenizer_json
+        self._source = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_ids)
         self._tok: Any = None  # llguidance.LLTokenizer, built on first use (~1 s for a large vocabulary)
@@ -43,7 +44,7 @@ class GrammarCompiler:
         if self._tok is None:
             import llguidance
 
-            self._tok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+            self._tok = llguidance.LLTokenizer(self._source.to_json(), n_vocab=self.vocab_size,
                                                eos_token=self._eos or None)
         return self._tok
 

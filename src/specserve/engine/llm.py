@@ -115,7 +115,7 @@ class LLM:
         self.adaptive = adaptive
         self.adaptive_profile = Path(adaptive_profile) if adaptive_profile else None
         # output grammars (`SamplingParams.grammar`), compiled once per spec for this tokenizer
-        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.config.vocab_size, self.eos_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
         self._engines: dict[str, BatchEngine] = {}  # the offline engines: "spec", "plain", "reference"
 
     def encode(self, prompt: str | list[int]) -> list[int]:
