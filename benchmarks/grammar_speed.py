@@ -7,6 +7,8 @@ Per config and concurrency, interleaved, the order of the arms reversed every ot
   constrained          : a strict JSON schema (compact JSON: keys and separators are forced tokens)
   constrained_noforced : the same without forced-token drafts (EngineConfig.grammar_forced_drafts off)
   unconstrained        : the same prompts without a grammar (other outputs: the drafter's cost without a mask)
+  loose / loose_free   : printable-ASCII text (a grammar the demo's code satisfies) and no grammar: the same
+                         outputs, so their ratio is what the masks cost where nothing is forced
 Concurrency 1 decodes the prompts one by one, concurrency C as batches of C (`LLM.generate`). Outputs of the two
 constrained arms must be identical and equal plain constrained decoding's (greedy). Prints one JSON object with
 tok/s per arm, ratios to plain constrained decoding, forced-draft speedup, accept length and mask time per token.
@@ -38,6 +40,7 @@ SCHEMA = {"type": "object", "properties": {
     "public": {"type": "boolean"},
     "line": {"type": "integer", "minimum": 1, "maximum": 9999},
 }, "required": ["name", "module", "kind", "args", "returns", "public", "line"], "additionalProperties": False}
+LOOSE = r"[\x20-\x7e\t\n]*"  # printable ASCII: binds nothing of the demo's code, yet masks every node
 PROMPTS = [
     "def fizzbuzz(n):", "class Stack:", "import os\n", "def merge_sort(items):", "class LRUCache:",
     "def parse_args(argv):", "MAX_RETRIES = 3\n", "def read_config(path):", "class Node:", "def bfs(graph, start):",
@@ -65,6 +68,7 @@ def main() -> None:
     grammar = Grammar("json_schema", json.dumps(SCHEMA), compact=True)
     constrained = SamplingParams(max_new_tokens=a.max_new_tokens, grammar=grammar)
     free = SamplingParams(max_new_tokens=a.max_new_tokens)
+    loose = SamplingParams(max_new_tokens=a.max_new_tokens, grammar=Grammar("regex", LOOSE))
     arms: dict[str, tuple[LLM, SamplingParams]] = {}
     for cfg in configs:
         spec = None if cfg == "NONE" else parse_config(cfg, a.model)
@@ -74,8 +78,10 @@ def main() -> None:
             llm = LLM(a.model, device="cpu", speculative=spec,
                       engine_config=EngineConfig(kv_cache_gb=0.25, grammar_forced_drafts=forced))
             arms[f"{cfg} constrained" + ("" if forced else "_noforced")] = (llm, constrained)
-        arms[f"{cfg} unconstrained"] = (LLM(a.model, device="cpu", speculative=spec,
-                                            engine_config=EngineConfig(kv_cache_gb=0.25)), free)
+        unconstrained = LLM(a.model, device="cpu", speculative=spec, engine_config=EngineConfig(kv_cache_gb=0.25))
+        arms[f"{cfg} unconstrained"] = (unconstrained, free)
+        arms[f"{cfg} loose"] = (arms[f"{cfg} constrained"][0], loose)
+        arms[f"{cfg} loose_free"] = (unconstrained, free)
     for llm, params in arms.values():  # warm-up
         run(llm, PROMPTS[:2], SamplingParams(max_new_tokens=8, grammar=params.grammar), 2)
     times: dict[tuple[str, int], list[float]] = {}
@@ -111,6 +117,9 @@ def main() -> None:
             }
             if "constrained" in name and "unconstrained" not in name:
                 row["identical_to_plain_constrained"] = [x.token_ids for x in res] == want
+            if name.endswith(" loose"):
+                twin = [x.token_ids for x in outs[(name + "_free", c)]]
+                row["same_outputs_as_loose_free"] = sum(x.token_ids == y for x, y in zip(res, twin, strict=True))
             results.append(row)
     by = {(r["arm"], r["concurrency"]): r for r in results}
     summary = []
@@ -118,9 +127,12 @@ def main() -> None:
         for cfg in configs[1:]:
             f, n = by[(f"{cfg} constrained", c)], by[(f"{cfg} constrained_noforced", c)]
             u, p = by[(f"{cfg} unconstrained", c)], by[("NONE constrained", c)]
+            lo, lf = by[(f"{cfg} loose", c)], by[(f"{cfg} loose_free", c)]
             summary.append({"config": cfg, "concurrency": c,
                             "forced_over_noforced": round(f["tok_s"] / n["tok_s"], 3),
                             "constrained_over_unconstrained": round(f["tok_s"] / u["tok_s"], 3),
+                            "same_outputs_constrained_over_unconstrained": round(lo["tok_s"] / lf["tok_s"], 3),
+                            "same_outputs_prompts": f"{lo['same_outputs_as_loose_free']}/{len(PROMPTS)}",
                             "constrained_over_plain_constrained": round(f["tok_s"] / p["tok_s"], 3)})
     print(json.dumps({"benchmark": "grammar_speed", "model": a.model, "command_line": sys.argv, "rounds": a.rounds,
                       "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),

@@ -159,6 +159,17 @@ def test_bad_grammars_are_refused_before_decoding(llm: LLM) -> None:
     assert len(ok.text) == 3 and ok.text.isdigit() and ok.finish_reason == "stop"
 
 
+def test_a_grammar_that_cannot_fit_in_max_tokens_is_refused(llm: LLM) -> None:
+    literal = "def main(argv): return sorted(argv)"
+    need = llm.grammars.compile(Grammar("regex", re.escape(literal)))  # all of it is forced
+    assert need == len(llm.tokenizer.encode(literal))
+    assert llm.grammars.compile(Grammar("regex", "[0-9]{3}")) == 1  # nothing forced: one token at least
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        llm.generate(["x"], SamplingParams(max_new_tokens=need - 1, grammar=Grammar("regex", re.escape(literal))))
+    [ok] = llm.generate(["x"], SamplingParams(max_new_tokens=need, grammar=Grammar("regex", re.escape(literal))))
+    assert ok.text == literal and ok.finish_reason == "stop"
+
+
 # ------------------------------------------------------------------------- through the real server
 
 
@@ -171,6 +182,35 @@ def grammar_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         yield srv
 
 
+@pytest.mark.server
+@pytest.mark.parametrize("spec", ["none", "eagle3-tree", "dflash-ddtree"])
+def test_json_schema_outputs_through_every_drafter_server(tiny_dir: Path, llm: LLM, spec: str,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Speculation off and the tree drafters through the real server: valid outputs, equal to constrained plain."""
+    d = tmp_path_factory.mktemp("grammar-" + spec)
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny", "--no-speculative-adaptive"]
+    if spec == "eagle3-tree":
+        init_random_eagle3(llm.config, d / "draft", seed=4)
+        args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(d / "draft"),
+                 "--speculative-num-steps", "2", "--speculative-eagle-topk", "3", "--speculative-num-draft-tokens", "7"]
+    elif spec == "dflash-ddtree":
+        init_random_dflash(llm.config, d / "draft", seed=3, block_size=8)
+        args += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(d / "draft"),
+                 "--speculative-dflash-block-size", "8", "--speculative-tree", "ddtree",
+                 "--speculative-num-draft-tokens", "10"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    grammar = Grammar("json_schema", json.dumps(PERSON), compact=True)
+    with running_server(args, d / "log") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        for prompt in PROMPTS[:3]:
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=120, temperature=0,
+                                            extra_body={"response_format": fmt})
+            [want] = llm.generate_plain([prompt], SamplingParams(max_new_tokens=120, grammar=grammar))
+            assert out.choices[0].text == want.text, (spec, prompt)
+            assert out.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+
+
 # small: the tiny model's context (512 tokens) holds the tools' JSON in the system prompt
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
            "additionalProperties": False}
@@ -180,6 +220,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEAT
              "additionalProperties": False}}}]
 
 
+@pytest.mark.server
 def test_response_formats_through_the_openai_client(grammar_server: ServerProcess, llm: LLM) -> None:
     client = openai.OpenAI(base_url=grammar_server.url + "/v1", api_key="none")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -216,6 +257,7 @@ def test_response_formats_through_the_openai_client(grammar_server: ServerProces
         assert value > 0 or name == "grammar_forced_draft_tokens_total", name
 
 
+@pytest.mark.server
 def test_forced_tool_calls_parse_and_name_the_function(grammar_server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=grammar_server.url + "/v1", api_key="none")
     msgs = [{"role": "user", "content": "Paris?"}]
@@ -234,6 +276,7 @@ def test_forced_tool_calls_parse_and_name_the_function(grammar_server: ServerPro
                             else TOOLS[1]["function"]["parameters"])  # type: ignore[index]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("body", "param"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
@@ -242,6 +285,8 @@ def test_forced_tool_calls_parse_and_name_the_function(grammar_server: ServerPro
     ({"regex": "[a-z]+", "response_format": {"type": "json_object"}}, "regex"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # what the call forces (its marker, name and keys) cannot fit in max_tokens = 8
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "time"}}}, "max_tokens"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(grammar_server: ServerProcess, body: dict[str, Any],
                                                    param: str) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.speculative.suffix import SuffixDrafter
-from specserve.speculative.suffix_index import SuffixAutomaton, SuffixCache, split_end
+from specserve.speculative.suffix_index import REBUILD_RATE, SuffixAutomaton, SuffixCache, split_end
 
 CPU = torch.device("cpu")
 
@@ -171,6 +171,38 @@ def test_cache_memory_stays_flat_over_500_requests() -> None:
     late = max(s["bytes"] for s in sizes[350:500])
     assert late <= 1.2 * early, (early, late)
     assert max(s["states"] for s in sizes) <= 2 * 2 * 20 * 40  # twice the live tokens at most, 2 states a token
+
+
+def test_rebuilds_are_spread_over_adds_and_change_no_match() -> None:
+    """No add copies more than REBUILD_RATE tokens per token it adds (no stall over the whole cache), and every
+    string occurs in the cache's live outputs exactly where it occurs in a cache built afresh from them,
+    whether a rebuild is under way, done or not begun."""
+    rng = random.Random(2)
+    cache = SuffixCache(max_requests=8, min_rebuild_tokens=64)
+    mid_rebuild = 0
+
+    def found(c: SuffixCache, probe: list[int]) -> list[tuple[tuple[int, ...], int]]:
+        state, m = 0, 0
+        for t in probe:
+            state, m = c.index.step(state, m, t)
+        if m < len(probe):
+            return []
+        ends = [split_end(e) for e in c.index.occurrences(state, 10**9, c.alive)]
+        return sorted((tuple(c.index.seqs[sid]), off) for sid, off in ends)
+
+    for _ in range(200):
+        out = [rng.randrange(6) for _ in range(rng.randrange(5, 40))]
+        before = cache.rebuild_tokens
+        cache.add(out)
+        assert cache.rebuild_tokens - before <= REBUILD_RATE * len(out)
+        mid_rebuild += cache._next is not None
+        fresh = SuffixCache(max_requests=8)
+        for sid in cache._lru:
+            fresh.add(list(cache.index.seqs[sid]))
+        for _ in range(4):
+            probe = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            assert found(cache, probe) == found(fresh, probe), probe
+    assert cache.generation >= 5 and mid_rebuild > 0
 
 
 @pytest.mark.parametrize(("fields", "flag"), [

@@ -27,7 +27,14 @@ import torch
 from specserve.engine.adaptive import AdaptivePolicy, engine_profile, streak_class
 from specserve.engine.drafting import draft_trees
 from specserve.engine.engine_config import EngineConfig, EngineCounters, EngineStats, RequestStats, StepOutput
-from specserve.engine.grammar import GrammarCompiler, GrammarState, constrain_tree, mask_logits
+from specserve.engine.grammar import (
+    GrammarCompiler,
+    GrammarState,
+    constrain_tree,
+    greedy_picks,
+    mask_logits,
+    prune_tree,
+)
 from specserve.engine.pass_log import PassLog
 from specserve.engine.runner import ModelRunner, Row, RowOutput
 from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Scheduler, SchedulerConfig
@@ -43,7 +50,7 @@ from specserve.models.llama import CausalLM
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.factory import DrafterBuilder
 from specserve.speculative.trees.tree import DraftTree
-from specserve.speculative.verify import verify_greedy, verify_sampled
+from specserve.speculative.verify import verify_greedy, verify_greedy_picks, verify_sampled
 from specserve.types import SamplingParams
 
 #: prefill chunks up to this long ride in a decode forward (a KV block: what a prefix-cache hit leaves)
@@ -192,6 +199,10 @@ class BatchEngine:
         if params.grammar is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no grammar compiler: constrained decoding is off")
+            need = self.grammars.compile(params.grammar)
+            if need > params.max_new_tokens:
+                raise ValueError(f"the grammar needs at least {need} tokens (what it forces from its start) but "
+                                 f"max_new_tokens is {params.max_new_tokens}; raise max_new_tokens")
             grammar = self.grammars.state(params.grammar, self.device)
         seq = self.scheduler.add(request_id, prompt_ids, params)
         self.counters.prompt_tokens += len(prompt_ids)
@@ -371,21 +382,26 @@ class BatchEngine:
                 masks.append(None)
                 continue
             t0, n0 = g.mask_s, g.masks
+            greedy = req.params.greedy  # greedy rows take masks after the forward, only where needed
+            node_masks: torch.Tensor | None = None
             if tree is None:
-                masks.append(g.allowed()[None])
+                node_masks = None if greedy else g.allowed()[None]
             else:
-                tree, node_masks = constrain_tree(g, tree)
+                tree, node_masks = (prune_tree(g, tree), None) if greedy else constrain_tree(g, tree)
                 forced = g.forced(len(item.slots) - 1) if self.config.grammar_forced_drafts else []
                 if len(forced) > int(tree.depths.max()):  # deeper than what is left of the drafter's tree
-                    tree, node_masks = constrain_tree(g, DraftTree.chain(int(tree.tokens[0]), forced,
-                                                                        device=self.device))
+                    chain = DraftTree.chain(int(tree.tokens[0]), forced, device=self.device)
+                    tree, node_masks = (chain, None) if greedy else constrain_tree(g, chain)
                     self.counters.forced_drafts += len(forced)
                     req.forced_drafts += len(forced)
-                masks.append(node_masks)
+            masks.append(node_masks)
             out.append(tree)
-            self.counters.grammar_mask_s += g.mask_s - t0
-            self.counters.grammar_masks += g.masks - n0
+            self._count_masks(g, t0, n0)
         return out, masks
+
+    def _count_masks(self, g: GrammarState, t0: float, n0: int) -> None:
+        self.counters.grammar_mask_s += g.mask_s - t0
+        self.counters.grammar_masks += g.masks - n0
 
     def _decode_row(self, item: DecodeItem, tree: DraftTree | None) -> Row:
         """A decode's row of the forward: its last token alone, or its draft tree (root first)."""
@@ -431,6 +447,12 @@ class BatchEngine:
             if tree is None:
                 req = self._requests[item.seq.request_id]
                 token = next(picks) if req.params.greedy else self._sample_one(req, res)
+                g = req.grammar
+                if g is not None and req.params.greedy and not g.allows(token):
+                    assert res.logits is not None
+                    t0, n0 = g.mask_s, g.masks
+                    token = greedy_picks(g, None, res.logits)[0]
+                    self._count_masks(g, t0, n0)
                 out, n = self._advance(req, [item.seq.token_ids[-1]], res.captured, token), 1
             else:
                 out, n = self._verify(item, tree, res, speculated=k > 0)
@@ -492,7 +514,12 @@ class BatchEngine:
         """Verify one request's tree, commit what it accepted; its outputs and the tokens verified."""
         req = self._requests[item.seq.request_id]
         assert res.logits is not None
-        if req.params.greedy:
+        g = req.grammar
+        if req.params.greedy and g is not None:
+            t0, n0 = g.mask_s, g.masks
+            v = verify_greedy_picks(tree, greedy_picks(g, tree, res.logits))
+            self._count_masks(g, t0, n0)
+        elif req.params.greedy:
             v = verify_greedy(tree, res.logits)
         else:
             v = verify_sampled(tree, target_probs(res.logits, req.params), req.generator)
@@ -525,7 +552,8 @@ class BatchEngine:
         taken = req.checker.feed(new_tokens)
         kept = new_tokens[:taken]
         # (the checker cuts tokens only when it finishes: the state is then not read again)
-        if g is not None and g.stopped and not req.checker.done:
+        # the grammar completed: a natural stop, also when that token used up the budget
+        if g is not None and g.stopped and taken == len(new_tokens) and req.checker.finish_reason in (None, "length"):
             req.checker.finish_reason = "stop"
         self.counters.generation_tokens += taken
         self.scheduler.advance(seq, num_computed if taken == len(new_tokens) else min(num_computed, taken), kept)

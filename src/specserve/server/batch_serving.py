@@ -125,8 +125,8 @@ class BatchServingEngine:
             self._cv.notify()
         return group
 
-    def check_grammar(self, grammar: Grammar) -> None:
-        self._llm.grammars.compile(grammar)
+    def check_grammar(self, grammar: Grammar) -> int:
+        return self._llm.grammars.compile(grammar)
 
     def stats(self) -> EngineStats:
         """The engine's snapshot, with what waits here before the engine sees it."""

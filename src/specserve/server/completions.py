@@ -82,14 +82,22 @@ def _params(req: s.SamplingRequest, max_new: int, choice: int, grammar: Grammar 
         raise ApiError(400, str(e)) from None
 
 
-async def _checked(state: ServerState, grammar: Grammar | None, param: str) -> Grammar | None:
-    """Compile the grammar off the event loop (cached per spec); 400 naming `param` when it cannot be used."""
-    if grammar is not None:
-        try:
-            await asyncio.to_thread(state.engine.check_grammar, grammar)
-        except ValueError as e:
-            raise ApiError(400, str(e), param=param) from None
-    return grammar
+async def _checked(state: ServerState, grammar: Grammar | None, param: str) -> tuple[Grammar | None, int]:
+    """Compile the grammar off the event loop (cached per spec); 400 naming `param` when it cannot be used.
+    Returns it with the fewest tokens an output it accepts can have (0 without a grammar)."""
+    if grammar is None:
+        return None, 0
+    try:
+        return grammar, await asyncio.to_thread(state.engine.check_grammar, grammar)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
+def _fits(need: int, max_new: int, param: str) -> None:
+    """400 when no output the grammar accepts fits in the token budget."""
+    if need > max_new:
+        raise ApiError(400, f"the {param} grammar needs at least {need} tokens (what it forces from its start) but "
+                       f"max_tokens allows {max_new}; raise max_tokens", param="max_tokens")
 
 
 def _submit(state: ServerState, requests: list[EngineRequest]) -> RequestGroup:
@@ -152,7 +160,7 @@ def _error_event(out: EngineOutput) -> str:
 async def create_completion(state: ServerState, request: Request) -> Response:
     req = parse_body(s.CompletionRequest, await request.body())
     _check_model(state, req.model)
-    grammar = await _checked(state, request_grammar(req), "response_format")
+    grammar, need = await _checked(state, request_grammar(req), "response_format")
     tok = state.engine.tokenizer
     engine_reqs: list[EngineRequest] = []
     prompt_tokens = 0
@@ -161,6 +169,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         if any(not 0 <= t < tok.vocab_size for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
         max_new = _token_budget(state, len(ids), req.max_tokens, "prompt")
+        _fits(need, max_new, "response_format")
         prompt_tokens += len(ids)
         for j in range(req.n):
             engine_reqs.append(EngineRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), _params(req, max_new, j, grammar)))
@@ -250,7 +259,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if grammar is not None and forced is not None:
         raise ApiError(400, "a forced tool_choice and an output format cannot both constrain one answer",
                        param="tool_choice")
-    grammar = await _checked(state, forced or grammar, "tool_choice" if forced is not None else "response_format")
+    param = "tool_choice" if forced is not None else "response_format"
+    grammar, need = await _checked(state, forced or grammar, param)
     tok = state.engine.tokenizer
     try:
         prompt = tok.apply_chat_template([_template_message(m) for m in req.messages], tools=tools)
@@ -258,6 +268,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise ApiError(400, str(e), param="messages") from None
     ids = tok.encode(prompt)
     max_new = _token_budget(state, len(ids), req.token_limit, "messages")
+    _fits(need, max_new, param)
     skip = not (parser_cls is not None and parser_cls.needs_special_tokens)
     engine_reqs = [EngineRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(ids), _params(req, max_new, j, grammar),
                                  skip) for j in range(req.n)]

@@ -99,7 +99,8 @@ class ServingEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def check_grammar(self, grammar: Grammar) -> None:
-        """Compile (and cache) an output grammar; ValueError says why it cannot be used. Called off the loop."""
+    def check_grammar(self, grammar: Grammar) -> int:
+        """Compile (and cache) an output grammar; ValueError says why it cannot be used. Called off the loop.
+        Returns a lower bound on the tokens of any output it accepts."""
 
     async def shutdown(self, timeout: float) -> None: ...

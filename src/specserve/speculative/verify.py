@@ -48,6 +48,15 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     return _descend(tokens, parents, picks_l)
 
 
+def verify_greedy_picks(tree: DraftTree, picks: list[int]) -> VerifyResult:
+    """Greedy verification from the target's pick after each node (picks[i]: after node i), for callers that
+    pick on the host (constrained decoding corrects an argmax the grammar forbids)."""
+    if len(picks) != tree.num_nodes + 1:
+        raise ValueError(f"picks has {len(picks)} entries; the tree needs one per node ({tree.num_nodes + 1})")
+    tokens, parents = _to_host(tree.tokens, tree.parents)
+    return _descend(tokens, parents, picks)
+
+
 def verify_sampled(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
     """target_probs [N+1, V]: row i = the processed target distribution (see `layers.sampling.target_probs`)
     of the token after node i. `tree.draft_probs` selects the rule (see the module docstring)."""
