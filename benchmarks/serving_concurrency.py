@@ -44,15 +44,12 @@ import aiohttp
 import torch
 from speculative import parse_config  # benchmarks/speculative.py (this script's folder is on sys.path)
 
-from specserve.bench.datasets import Prompt, agentic_conversations, load_dataset, sample_prompts
-from specserve.bench.serving import (
-    ServingConfig,
-    client_session,
-    run_conversation_level,
-    run_level,
-    server_config,
-    warm_up,
-)
+from specserve.bench.conversations import agentic_conversations
+from specserve.bench.datasets import load_dataset, sample_prompts
+from specserve.bench.prompts import Prompt
+from specserve.bench.server_probe import server_config
+from specserve.bench.serving import run_conversation_level, run_level, warm_up
+from specserve.bench.serving_client import ServingConfig, client_session
 from specserve.bench.tune import log_tail, start_server, stop_server
 from specserve.config import SpeculativeConfig
 

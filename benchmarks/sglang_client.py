@@ -137,7 +137,7 @@ def ensure_venv(venv: Path, shim: Path, sglang_spec: str, workdir: Path) -> list
 
 def write_prompts(workdir: Path, num_prompts: int, output_len: int) -> tuple[Path, Path]:
     sys.path.insert(0, str(REPO / "src"))
-    from specserve.bench.datasets import CODING_PROMPTS
+    from specserve.bench.prompts import CODING_PROMPTS
 
     texts = []
     for i in range(num_prompts):

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from server_util import ServerProcess, start_server
-from specserve.bench.datasets import Conversation, load_dataset
+from specserve.bench.conversations import Conversation
+from specserve.bench.datasets import load_dataset
 from specserve.bench.metrics import RequestResult
-from specserve.bench.serving import ServingConfig, client_session, run_conversation_level
+from specserve.bench.serving import run_conversation_level
+from specserve.bench.serving_client import ServingConfig, client_session
 from specserve.cli import main
 from specserve.tokenizer import Tokenizer
 

@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from specserve.bench.cli import main
-from specserve.bench.datasets import CODING_PROMPTS, Prompt
 from specserve.bench.metrics import RequestResult
-from specserve.bench.serving import ServingConfig, client_session, run_level, run_sweep, send_request
+from specserve.bench.prompts import CODING_PROMPTS, Prompt
+from specserve.bench.serving import run_level, run_sweep
+from specserve.bench.serving_client import ServingConfig, client_session, send_request
 
 SLACK_MS = 80.0  # scheduling noise allowed above a configured delay
 LEVEL_KEYS = {"concurrency", "num_requests", "completed", "errors", "error_messages", "duration_s", "max_in_flight",

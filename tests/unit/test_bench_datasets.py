@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve.bench.datasets import (
-    CODING_PROMPTS,
-    DatasetError,
-    Prompt,
-    load_dataset,
-    random_prompts,
-    sample_prompts,
-)
+from specserve.bench.datasets import load_dataset, sample_prompts
+from specserve.bench.prompts import CODING_PROMPTS, DatasetError, Prompt, random_prompts
 
 
 def test_malformed_lines_are_skipped_and_reported_with_file_and_line(tmp_path: Path) -> None:

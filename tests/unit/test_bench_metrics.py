@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve.bench.datasets import Prompt
 from specserve.bench.metrics import Chunk, RequestResult, aggregate_level, request_timing, summarize_ms
+from specserve.bench.prompts import Prompt
 from specserve.bench.server_probe import (
     ServerSnapshot,
     accept_length,
@@ -16,7 +16,7 @@ from specserve.bench.server_probe import (
     parse_prometheus,
     spec_step_fraction,
 )
-from specserve.bench.serving import ServingConfig, StreamReader, build_body, normalize_base_url
+from specserve.bench.serving_client import ServingConfig, StreamReader, build_body, normalize_base_url
 
 
 def test_request_timing_divides_each_chunk_gap_by_its_tokens() -> None:

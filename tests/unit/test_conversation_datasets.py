@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve.bench.datasets import Conversation, agentic_conversations, load_dataset, sample_conversations
+from specserve.bench.conversations import Conversation, agentic_conversations
+from specserve.bench.datasets import load_dataset, sample_conversations
 
 
 def write(tmp_path: Path, *lines: object) -> Path:

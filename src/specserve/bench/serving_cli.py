@@ -122,7 +122,8 @@ def chunk_counter(tokenizer: str | None, base_url: str, api_key: str | None) -> 
 
 def cmd_serving(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specserve.bench.datasets import load_dataset, sample_conversations, sample_prompts
-    from specserve.bench.serving import ServingConfig, run_sweep
+    from specserve.bench.serving import run_sweep
+    from specserve.bench.serving_client import ServingConfig
 
     try:
         cfg = ServingConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
