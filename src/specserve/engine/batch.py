@@ -382,22 +382,27 @@ class BatchEngine:
                 masks.append(None)
                 continue
             t0, n0 = g.mask_s, g.masks
-            greedy = req.params.greedy  # greedy rows take masks after the forward, only where needed
             node_masks: torch.Tensor | None = None
             if tree is None:
-                node_masks = None if greedy else g.allowed()[None]
+                node_masks = None if req.params.greedy else g.allowed()[None]
             else:
-                tree, node_masks = (prune_tree(g, tree), None) if greedy else constrain_tree(g, tree)
+                tree, node_masks = self._constrain_tree(g, tree, req.params.greedy)
                 forced = g.forced(len(item.slots) - 1) if self.config.grammar_forced_drafts else []
                 if len(forced) > int(tree.depths.max()):  # deeper than what is left of the drafter's tree
                     chain = DraftTree.chain(int(tree.tokens[0]), forced, device=self.device)
-                    tree, node_masks = (chain, None) if greedy else constrain_tree(g, chain)
+                    tree, node_masks = self._constrain_tree(g, chain, req.params.greedy)
                     self.counters.forced_drafts += len(forced)
                     req.forced_drafts += len(forced)
             masks.append(node_masks)
             out.append(tree)
             self._count_masks(g, t0, n0)
         return out, masks
+
+    @staticmethod
+    def _constrain_tree(g: GrammarState, tree: DraftTree, greedy: bool) -> tuple[DraftTree, torch.Tensor | None]:
+        """Greedy rows are pruned token by token and take masks after the forward, only where needed
+        (`greedy_picks`); sampled rows take the mask at every node now."""
+        return (prune_tree(g, tree), None) if greedy else constrain_tree(g, tree)
 
     def _count_masks(self, g: GrammarState, t0: float, n0: int) -> None:
         self.counters.grammar_mask_s += g.mask_s - t0
@@ -448,10 +453,10 @@ class BatchEngine:
                 req = self._requests[item.seq.request_id]
                 token = next(picks) if req.params.greedy else self._sample_one(req, res)
                 g = req.grammar
-                if g is not None and req.params.greedy and not g.allows(token):
+                if g is not None and req.params.greedy:
                     assert res.logits is not None
                     t0, n0 = g.mask_s, g.masks
-                    token = greedy_picks(g, None, res.logits)[0]
+                    token = g.greedy_pick(res.logits[0], token)
                     self._count_masks(g, t0, n0)
                 out, n = self._advance(req, [item.seq.token_ids[-1]], res.captured, token), 1
             else:

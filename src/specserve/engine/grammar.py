@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,11 @@ class GrammarState:
         """Whether the grammar takes `token` next (well under a µs: no mask is built)."""
         return bool(self._m.validate_tokens([int(token)]) == 1)
 
+    def greedy_pick(self, logits: torch.Tensor, argmax: int) -> int:
+        """The masked argmax of one row of logits [V], given its plain `argmax`: that one where the grammar takes
+        it, which it almost always does; a mask only where it does not."""
+        return argmax if self.allows(argmax) else int(mask_logits(logits, self.allowed()).argmax())
+
     def consume(self, tokens: list[int]) -> None:
         for t in tokens:
             if not self._m.consume_token(int(t)):
@@ -185,27 +191,39 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def walk(state: GrammarState, tree: DraftTree, enter: Callable[[int, list[int]], list[int]]) -> None:
+    """Depth first from the root with `state` at each node's place in the grammar: `enter(node, children)` runs
+    there and returns the children to descend into. EOS children are never descended into (nothing of the
+    output follows them, and the grammar does not roll back past them)."""
+    kids = tree.children()
+    tokens = tree.tokens.tolist()
+
+    def visit(i: int) -> None:
+        for c in enter(i, kids[i]):
+            if tokens[c] not in state.eos_ids:
+                state.consume([tokens[c]])
+                visit(c)
+                state.rollback(1)
+
+    visit(0)
+
+
 def constrain_tree(state: GrammarState, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
     """The tree without what the grammar forbids, and the mask at each of its nodes [N'+1, V] (the mask of a kept
     forbidden node — sampled drafts only — or of an EOS allows everything: its row is never read)."""
-    kids = tree.children()
     tokens = tree.tokens.tolist()
     sampled = tree.draft_probs is not None
     masks: dict[int, torch.Tensor] = {}
 
-    def visit(i: int) -> None:
+    def enter(i: int, children: list[int]) -> list[int]:
         allowed = masks[i] = state.allowed()
-        for c in kids[i]:
-            if bool(allowed[tokens[c]]) and tokens[c] in state.eos_ids:  # a leaf: nothing of the output follows
+        legal = [c for c in children if bool(allowed[tokens[c]])]
+        for c in children:
+            if (tokens[c] in state.eos_ids and c in legal) or (sampled and c not in legal):
                 masks[c] = torch.ones_like(allowed)
-            elif bool(allowed[tokens[c]]):
-                state.consume([tokens[c]])
-                visit(c)
-                state.rollback(1)
-            elif sampled:
-                masks[c] = torch.ones_like(allowed)
+        return legal
 
-    visit(0)
+    walk(state, tree, enter)
     keep = sorted(masks)  # the original order: parents before children, siblings as drafted
     stacked = torch.stack([masks[i] for i in keep])
     if len(keep) == len(tokens):
@@ -216,48 +234,28 @@ def constrain_tree(state: GrammarState, tree: DraftTree) -> tuple[DraftTree, tor
 def prune_tree(state: GrammarState, tree: DraftTree) -> DraftTree:
     """Greedy drafts: the tree without what the grammar forbids, checked token by token (no masks: the masked
     argmax is taken where it differs, by `greedy_picks`)."""
-    kids = tree.children()
     tokens = tree.tokens.tolist()
     keep = [0]
 
-    def visit(i: int) -> None:
-        for c in kids[i]:
-            if not state.allows(tokens[c]):
-                continue
-            keep.append(c)
-            if tokens[c] not in state.eos_ids:
-                state.consume([tokens[c]])
-                visit(c)
-                state.rollback(1)
+    def enter(i: int, children: list[int]) -> list[int]:
+        legal = [c for c in children if state.allows(tokens[c])]
+        keep.extend(legal)
+        return legal
 
-    visit(0)
-    if len(keep) == len(tokens):
-        return tree
-    return subtree(tree, sorted(keep))
+    walk(state, tree, enter)
+    return tree if len(keep) == len(tokens) else subtree(tree, sorted(keep))
 
 
-def greedy_picks(state: GrammarState, tree: DraftTree | None, logits: torch.Tensor) -> list[int]:
-    """The masked argmax after each node (logits [N+1, V], a pruned tree; None: one row). The plain argmax where
-    the grammar takes it, which it almost always does; a mask only where it does not. After an EOS node
-    nothing of the output follows: its plain argmax stands."""
+def greedy_picks(state: GrammarState, tree: DraftTree, logits: torch.Tensor) -> list[int]:
+    """The masked argmax after each node of a pruned tree (logits [N+1, V]): `GrammarState.greedy_pick` of each
+    row. After an EOS node nothing of the output follows: its plain argmax stands."""
     picks = logits.argmax(dim=-1).tolist()
-    if tree is None:
-        if not state.allows(picks[0]):
-            picks[0] = int(mask_logits(logits[0], state.allowed()).argmax())
-        return picks
-    kids = tree.children()
-    tokens = tree.tokens.tolist()
 
-    def visit(i: int) -> None:
-        if not state.allows(picks[i]):
-            picks[i] = int(mask_logits(logits[i], state.allowed()).argmax())
-        for c in kids[i]:
-            if tokens[c] not in state.eos_ids:
-                state.consume([tokens[c]])
-                visit(c)
-                state.rollback(1)
+    def enter(i: int, children: list[int]) -> list[int]:
+        picks[i] = state.greedy_pick(logits[i], picks[i])
+        return children
 
-    visit(0)
+    walk(state, tree, enter)
     return picks
 
 
