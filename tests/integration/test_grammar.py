@@ -20,11 +20,12 @@ import torch
 from server_util import ServerProcess, running_server
 from specserve.config import SpeculativeConfig
 from specserve.engine.engine_config import EngineConfig
-from specserve.engine.grammar import mask_logits
+from specserve.engine.grammar import greedy_picks, mask_logits, prune_tree
 from specserve.engine.llm import LLM
 from specserve.speculative.dflash.checkpoint import init_random_dflash
 from specserve.speculative.eagle3.checkpoint import init_random_eagle3
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.trees.tree import DraftTree
 from specserve.types import Grammar, SamplingParams
 
 PERSON = {"type": "object", "properties": {
@@ -98,6 +99,54 @@ def test_greedy_constrained_speculation_equals_constrained_plain(llm: LLM, draft
                 text = llm.tokenizer.decode(tokens)
                 if len(tokens) < params.max_new_tokens:  # finished: the whole schema, valid
                     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_pruned_trees_and_path_picks_match_a_node_by_node_walk(llm: LLM) -> None:
+    """`prune_tree` keeps a node iff the grammar takes every token from the root to it (checked here one token at
+    a time from a fresh state); `greedy_picks` gives the masked argmax at every node of the path its picks accept,
+    and leaves the state where it was."""
+    grammar = Grammar("regex", r"(ab|ac|b)[a-c]{0,3}")
+    ids = {ch: llm.encode(ch)[0] for ch in "abcd"}
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = int(torch.randint(2, 12, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        depths = [0] * n
+        for i in range(1, n):
+            depths[i] = depths[parents[i]] + 1
+        tokens = [ids["a"]] + [ids["abcd"[int(torch.randint(0, 4, (1,), generator=gen))]] for _ in range(n - 1)]
+        tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), None)
+        state = llm.grammars.state(grammar, llm.device)
+
+        def legal(i: int, tokens: list[int], parents: list[int]) -> bool:
+            path = []
+            while i > 0:
+                path.append(tokens[i])
+                i = parents[i]
+            fresh = llm.grammars.state(grammar, llm.device)
+            for t in reversed(path):
+                if not fresh.allows(t):
+                    return False
+                fresh.consume([t])
+            return True
+
+        pruned = prune_tree(state, tree)
+        kept = [i for i in range(n) if i == 0 or legal(i, tokens, parents)]
+        assert pruned.tokens.tolist() == [tokens[i] for i in kept], trial
+        logits = torch.randn(pruned.num_nodes + 1, llm.config.vocab_size, generator=gen)
+        for k in (ids["a"], ids["b"], ids["c"]):  # make the drafted letters likely picks
+            logits[:, k] += 6 * torch.rand(pruned.num_nodes + 1, generator=gen)
+        picks = greedy_picks(state, pruned, logits)
+        p_tokens, p_parents = pruned.tokens.tolist(), pruned.parents.tolist()
+        node, walker = 0, llm.grammars.state(grammar, llm.device)
+        while True:
+            assert picks[node] == int(mask_logits(logits[node], walker.allowed()).argmax()), trial
+            nxt = [c for c in range(1, len(p_tokens)) if p_parents[c] == node and p_tokens[c] == picks[node]]
+            if not nxt:
+                break
+            node = nxt[0]
+            walker.consume([p_tokens[node]])
+        assert state.valid_prefix([ids["a"], ids["b"]]) == 2  # the state is back at the start
 
 
 def test_forced_tokens_are_drafted_and_change_nothing(tiny_dir: Path, llm: LLM) -> None:

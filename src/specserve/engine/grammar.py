@@ -7,9 +7,10 @@ first (consume a node's token, visit its children, roll back), takes the mask at
 grammar forbids before the verify forward — a forbidden draft could never be accepted (greedy: never the masked
 argmax; sampling: it has probability 0). Sampled drafts keep a forbidden node itself (the rejection rule's
 residuals count it) and lose only what lies below it. Greedy rows need no mask where the target's argmax is
-legal, which is almost everywhere: `prune_tree` checks draft tokens one by one and `greedy_picks` masks only the
-nodes whose argmax the grammar forbids. Forced tokens (the grammar allows one continuation:
-`GrammarState.forced`) make a chain draft that the masked verifier accepts.
+legal, which is almost everywhere: `prune_tree` validates each root-to-leaf path in one call, and `greedy_picks`
+checks a pick only where the path the picks accept stops, masking only where the grammar forbids it. Forced
+tokens (the grammar allows one continuation: `GrammarState.forced`) make a chain draft that the masked verifier
+accepts.
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ class GrammarState:
         """Whether the grammar takes `token` next (well under a µs: no mask is built)."""
         return bool(self._m.validate_tokens([int(token)]) == 1)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes from here (the state does not move)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
     def greedy_pick(self, logits: torch.Tensor, argmax: int) -> int:
         """The masked argmax of one row of logits [V], given its plain `argmax`: that one where the grammar takes
         it, which it almost always does; a mask only where it does not."""
@@ -232,30 +237,59 @@ def constrain_tree(state: GrammarState, tree: DraftTree) -> tuple[DraftTree, tor
 
 
 def prune_tree(state: GrammarState, tree: DraftTree) -> DraftTree:
-    """Greedy drafts: the tree without what the grammar forbids, checked token by token (no masks: the masked
-    argmax is taken where it differs, by `greedy_picks`)."""
+    """Greedy drafts: the tree without what the grammar forbids, one `validate_tokens` per root-to-leaf path (a
+    node is legal iff its path is, whichever leaf's path holds it; no masks: the masked argmax is taken where it
+    differs, by `greedy_picks`). A path is cut after its first EOS: nothing of the output follows one."""
     tokens = tree.tokens.tolist()
-    keep = [0]
-
-    def enter(i: int, children: list[int]) -> list[int]:
-        legal = [c for c in children if state.allows(tokens[c])]
-        keep.extend(legal)
-        return legal
-
-    walk(state, tree, enter)
+    parents = tree.parents.tolist()
+    keep = {0}
+    for path in _leaf_paths(tokens, parents, state.eos_ids):
+        keep.update(path[: state.valid_prefix([tokens[i] for i in path])])
     return tree if len(keep) == len(tokens) else subtree(tree, sorted(keep))
 
 
+def _leaf_paths(tokens: list[int], parents: list[int], eos_ids: frozenset[int]) -> list[list[int]]:
+    """Each leaf's path below the root (node indices, root excluded), cut after its first EOS."""
+    has_child = [False] * len(tokens)
+    for p in parents[1:]:
+        has_child[p] = True
+    paths: list[list[int]] = []
+    for leaf in range(1, len(tokens)):
+        if has_child[leaf]:
+            continue
+        path = []
+        i = leaf
+        while i > 0:
+            path.append(i)
+            i = parents[i]
+        path.reverse()
+        cut = next((k for k, n in enumerate(path) if tokens[n] in eos_ids), len(path) - 1)
+        paths.append(path[: cut + 1])
+    return paths
+
+
 def greedy_picks(state: GrammarState, tree: DraftTree, logits: torch.Tensor) -> list[int]:
-    """The masked argmax after each node of a pruned tree (logits [N+1, V]): `GrammarState.greedy_pick` of each
-    row. After an EOS node nothing of the output follows: its plain argmax stands."""
+    """The target's pick after each node of a pruned tree (every node legal; logits [N+1, V]) for greedy
+    verification. Along the path the picks accept, a pick that is a child's token is legal, hence the masked
+    argmax too; only where the path stops is the pick checked against the grammar (`GrammarState.greedy_pick`),
+    and a corrected pick that is a child's token takes the path on. Off the path the plain argmax stands
+    (greedy verification never reads it). The state is walked down the path and back."""
     picks = logits.argmax(dim=-1).tolist()
-
-    def enter(i: int, children: list[int]) -> list[int]:
-        picks[i] = state.greedy_pick(logits[i], picks[i])
-        return children
-
-    walk(state, tree, enter)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    child_of: list[dict[int, int]] = [{} for _ in tokens]
+    for i in range(1, len(tokens)):
+        child_of[parents[i]].setdefault(tokens[i], i)
+    node, depth = 0, 0
+    while True:
+        child = child_of[node].get(picks[node])
+        if child is None:  # the path stops here unless the grammar forbids the pick and its own pick goes on
+            picks[node] = state.greedy_pick(logits[node], picks[node])
+            child = child_of[node].get(picks[node])
+        if child is None or tokens[child] in state.eos_ids:  # rejected here, or the output ends with the EOS
+            break
+        state.consume([tokens[child]])
+        node, depth = child, depth + 1
+    state.rollback(depth)
     return picks
 
 
