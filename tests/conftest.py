@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
@@ -29,6 +30,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if module in TRAIN_MODULES:
             item.add_marker(pytest.mark.train)
 
+
+# Engines run eager unless a test asks for compiled decode steps (tests/integration/test_compiled.py): a compile
+# per shape would dominate the hundreds of short-lived engines here. Test servers inherit it.
+os.environ["SPECSERVE_ENFORCE_EAGER"] = "1"
 
 # Tiny models gain nothing from a second thread, and one thread per process keeps the test servers (their own
 # processes) from fighting the test process for the two cores.

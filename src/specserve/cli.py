@@ -32,7 +32,7 @@ def _generate(a: argparse.Namespace) -> int:
         raise SystemExit("--speculative-adaptive needs --speculative-algorithm other than NONE")
     llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec,
               draft_dtype=a.speculative_draft_dtype, adaptive=a.speculative_adaptive,
-              adaptive_profile=a.speculative_adaptive_profile)
+              adaptive_profile=a.speculative_adaptive_profile, enforce_eager=not a.compile)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if a.chat else p
                for p in a.prompt]
     results = llm.generate(prompts, params)  # one continuous batch
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "`serve` does by default; without it every step drafts the configured width")
     g.add_argument("--speculative-adaptive-profile", default=None, metavar="PATH",
                    help="the cost profile to reuse (default: the per-machine one, measured when missing)")
+    g.add_argument("--compile", action="store_true",
+                   help="compile the decode steps first (tens of seconds once, cached on disk; pays off over long "
+                        "outputs; `serve` compiles them by default: see its --enforce-eager)")
     g.set_defaults(func=_generate)
 
     t = sub.add_parser("train-target", help="train the bundled demo target (tokenizer + Qwen3 model)")

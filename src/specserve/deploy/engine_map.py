@@ -156,6 +156,12 @@ def _prefix_cache(b: ArgsBuilder, cfg: ServeConfig, sglang: bool, export_option:
 
 
 def _execution(b: ArgsBuilder, cfg: ServeConfig, sglang: bool) -> None:
+    if cfg.engine.enforce_eager:
+        b.map("--enforce-eager", True, "--disable-cuda-graph" if sglang else "--enforce-eager")
+    else:
+        b.map("--enforce-eager", False, note="the engine captures CUDA graphs by default")
+    b.skip("--cuda-graph-max-bs", cfg.engine.cuda_graph_max_bs, "bounds specserve's own compiled steps, sized for "
+           "their compile time on its device; the engine sizes its CUDA graph batches for the GPU")
     if cfg.overlap_schedule:
         b.map("--disable-overlap-schedule", False, note="SGLang's overlap scheduler, on by default" if sglang else
               "vLLM's async scheduling, on by default where the configuration supports it")

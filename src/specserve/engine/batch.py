@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from specserve.engine.adaptive import AdaptivePolicy, engine_profile, streak_class
+from specserve.engine.compiled import CompiledSteps
 from specserve.engine.drafting import draft_trees
 from specserve.engine.engine_config import EngineConfig, EngineCounters, EngineStats, RequestStats, StepOutput
 from specserve.engine.grammar import (
@@ -124,6 +126,8 @@ class BatchEngine:
             self.pool, self.cache,
         )
         self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
+        self.compiled = (None if config.enforce_eager or config.batch_invariant else
+                         CompiledSteps(model, self.kv, config.cuda_graph_max_bs, self.max_draft + 1))
         # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)
         self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
@@ -184,7 +188,20 @@ class BatchEngine:
             "prefix_cache": self.cache is not None,
             "host_tier_blocks": self.host.capacity if self.host is not None else 0,
             "speculative_adaptive": self.policy is not None,
+            "compiled_steps": self.compiled is not None,
+            "compiled_buckets": self.compiled.buckets if self.compiled is not None else [],
         }
+
+    def warm_compiled(self, progress: bool = True) -> None:
+        """Compile, before serving, the buckets a server meets at once: plain decodes of every batch bucket up to
+        --cuda-graph-max-bs and a single request's full-width tree (narrower trees compile on first use)."""
+        if self.compiled is None:
+            return
+        wanted = self.compiled.startup_buckets()
+        bar = tqdm(wanted, desc="compiling decode steps", unit="shape", disable=not progress)
+        for bucket in bar:
+            bar.set_postfix_str(str(bucket))
+            self.compiled.warm(bucket, self.capture)
 
     # -- requests
 
@@ -230,7 +247,9 @@ class BatchEngine:
 
     def _forward(self, rows: list[Row]) -> list[RowOutput]:
         t0 = time.perf_counter()
-        out = self.runner.forward(rows, self.capture)
+        out = self.compiled.forward(rows, self.capture) if self.compiled is not None else None
+        if out is None:
+            out = self.runner.forward(rows, self.capture)
         if self.capture:  # the captured states go next to their K/V, in one write per forward
             captured = [res.captured for res in out if res.captured is not None]
             assert len(captured) == len(rows)

@@ -4,9 +4,19 @@ metrics)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from specserve.engine.scheduler import SchedulerConfig
+
+#: set to 1, engines run eager unless told otherwise (the test suite: hundreds of short-lived engines, which a
+#: compile per shape would dominate; the tests of compiled steps ask for them)
+EAGER_ENV = "SPECSERVE_ENFORCE_EAGER"
+
+
+def eager_by_default() -> bool:
+    """`--enforce-eager`'s default: off, unless SPECSERVE_ENFORCE_EAGER=1 is in the environment."""
+    return os.environ.get(EAGER_ENV, "") == "1"
 
 
 @dataclass(frozen=True)
@@ -21,6 +31,8 @@ class EngineConfig:
     hicache_gb: float = 0.0  # host tier size; 0 = off
     batch_invariant: bool = False
     grammar_forced_drafts: bool = True  # tokens a request's grammar forces are drafted (verified as any draft)
+    enforce_eager: bool = field(default_factory=lambda: eager_by_default())  # no compiled steps (engine/compiled.py)
+    cuda_graph_max_bs: int = 16  # the largest batch a compiled decode step is built for
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 0:
@@ -33,6 +45,9 @@ class EngineConfig:
             raise ValueError(f"--hicache-size must be >= 0 GB (0 = no host tier), got {self.hicache_gb}")
         if self.max_waiting < 1:
             raise ValueError(f"--max-queue must be at least 1 (requests waiting before 503), got {self.max_waiting}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be at least 1 (or --enforce-eager), "
+                             f"got {self.cuda_graph_max_bs}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting)
 
 

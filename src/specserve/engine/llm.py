@@ -81,11 +81,14 @@ class LLM:
         engine_config: EngineConfig | None = None,
         adaptive: bool = False,
         adaptive_profile: str | Path | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         """dtype / draft_dtype: `auto` (None) or a dtype name, of the target / of the drafter's weights.
         engine_config: the offline engine's (None: a KV pool sized to each batch, 1 GB at most).
         adaptive: pick the draft width per step from a measured cost profile (`--speculative-adaptive`) instead
-        of always drafting the configured width."""
+        of always drafting the configured width.
+        enforce_eager: without an `engine_config`, whether the offline engines run eager (None: `EngineConfig`'s
+        default, compiled decode steps built on first use: `engine/compiled.py`)."""
         self.device = pick_device(device)
         model_dir = resolve_model_path(model)
         cfg = ModelConfig.from_file(model_dir / "config.json")
@@ -112,6 +115,7 @@ class LLM:
             DrafterBuilder(plan, self.model, self.device, self.draft_dtype) if plan is not None else None
         )
         self.engine_config = engine_config
+        self.enforce_eager = enforce_eager
         self.adaptive = adaptive
         self.adaptive_profile = Path(adaptive_profile) if adaptive_profile else None
         # output grammars (`SamplingParams.grammar`), compiled once per spec for this tokenizer
@@ -123,14 +127,17 @@ class LLM:
 
     def make_engine(self, config: EngineConfig, drafters: DrafterBuilder | None = None, plain: bool = False,
                     adaptive: bool = False, profile_path: Path | None = None,
-                    trace_path: Path | None = None) -> BatchEngine:
+                    trace_path: Path | None = None, warm_compiled: bool = False) -> BatchEngine:
         """A continuous-batching engine on this target: with this LLM's drafter (or `drafters`), or plain.
         `adaptive`: its cost profile is loaded from `profile_path` (or the per-machine default) or measured
-        first. `trace_path`: a JSON line per pass (`engine/pass_log.py`)."""
+        first. `trace_path`: a JSON line per pass (`engine/pass_log.py`). `warm_compiled`: compile the decode steps
+        a server meets at once now, before the profile is measured on them (else each compiles on first use)."""
         builder = None if plain else (drafters or self.drafter_builder)
         passes = PassLog(trace_path) if trace_path else None
         engine = BatchEngine(self.model, self.eos_ids, self.tokenizer.decode, config, builder, pass_log=passes,
                              grammars=self.grammars)
+        if warm_compiled:
+            engine.warm_compiled()
         if adaptive and (path := engine.adapt(profile_path)) is not None:
             log.info("adaptive speculation: cost profile %s", path)
         return engine
@@ -178,7 +185,8 @@ class LLM:
         if have is None or have.pool.num_blocks < need:
             cap = BatchEngine.pool_blocks(self.model, EngineConfig(), builder)  # the default pool bounds it
             blocks = max(64, min(need, cap))
-            have = self._engines[kind] = self._make(kind, EngineConfig(num_kv_blocks=blocks), builder)
+            eager = {} if self.enforce_eager is None else {"enforce_eager": self.enforce_eager}
+            have = self._engines[kind] = self._make(kind, EngineConfig(num_kv_blocks=blocks, **eager), builder)
         return have
 
     def _make(self, kind: str, config: EngineConfig, builder: DrafterBuilder | None) -> BatchEngine:

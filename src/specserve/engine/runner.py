@@ -99,7 +99,7 @@ class ModelRunner:
         if len(set(qs)) > 1:
             pack = torch.tensor([b * q_max + i for b, q in enumerate(qs) for i in range(q)]).to(dev)  # [T]
             shape = (1, len(ids))
-        view = PagedView(self.cache, write.to(dev), read.to(dev), self._mask(rows, qs, cs, q_max, k_max).to(dev),
+        view = PagedView(self.cache, write.to(dev), read.to(dev), mask(rows, qs, cs, q_max, k_max).to(dev),
                          pack)
         out = self.model(ids.view(shape).to(dev), pos.view(shape).to(dev), view, capture=capture,
                          compute_logits=False)
@@ -122,18 +122,18 @@ class ModelRunner:
         return [RowOutput(logits.get(i), captured[starts[i]:starts[i + 1]] if captured is not None else None)
                 for i in range(len(rows))]
 
-    @staticmethod
-    def _mask(rows: list[Row], qs: list[int], cs: list[int], q_max: int, k_max: int) -> torch.Tensor:
-        """[B, 1, Q, K] bool: context keys for real queries; local keys by causality or the row's tree; a
-        padding query sees key 0 (a row of no keys would make attention NaN)."""
-        qi = torch.arange(q_max)[:, None]  # [Q, 1]
-        kj = torch.arange(k_max)[None, :]  # [1, K]
-        c_t = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
-        q_t = torch.tensor(qs)[:, None, None]
-        real_q = qi[None] < q_t  # [B, Q, 1]
-        mask = real_q & ((kj[None] < c_t) | ((kj[None] >= c_t) & (kj[None] - c_t <= qi[None])))
-        mask[:, :, 0] |= ~real_q[:, :, 0]
-        for i, (r, c, q) in enumerate(zip(rows, cs, qs, strict=True)):
-            if r.tree_mask is not None:
-                mask[i, :q, c:c + q] = r.tree_mask.cpu()
-        return mask[:, None]
+
+def mask(rows: list[Row], qs: list[int], cs: list[int], q_max: int, k_max: int) -> torch.Tensor:
+    """[B, 1, Q, K] bool: context keys for real queries; local keys by causality or the row's tree; a
+    padding query sees key 0 (a row of no keys would make attention NaN)."""
+    qi = torch.arange(q_max)[:, None]  # [Q, 1]
+    kj = torch.arange(k_max)[None, :]  # [1, K]
+    c_t = torch.tensor(cs)[:, None, None]  # [B, 1, 1]
+    q_t = torch.tensor(qs)[:, None, None]
+    real_q = qi[None] < q_t  # [B, Q, 1]
+    m = real_q & ((kj[None] < c_t) | ((kj[None] >= c_t) & (kj[None] - c_t <= qi[None])))
+    m[:, :, 0] |= ~real_q[:, :, 0]
+    for i, (r, c, q) in enumerate(zip(rows, cs, qs, strict=True)):
+        if r.tree_mask is not None:
+            m[i, :q, c:c + q] = r.tree_mask.cpu()
+    return m[:, None]

@@ -88,6 +88,15 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = int(head_dim * rope.partial_rotary_factor)
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._reserved = False  # the table is fixed: positions are not read back to size it (`reserve`)
+
+    def reserve(self, length: int, device: torch.device) -> None:
+        """Build the table for positions below `length` once and stop sizing it per call: `cos_sin` then reads
+        no position back to the host, which a compiled step cannot do. Not for dynamic NTK scaling."""
+        if self.rope.rope_type == "dynamic":
+            raise ValueError("a dynamic-NTK RoPE table depends on the sequence length; it cannot be reserved")
+        self._table(length, device)
+        self._reserved = True
 
     def _table(self, needed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         dynamic = self.rope.rope_type == "dynamic"
@@ -103,7 +112,10 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, Q] -> cos, sin [B, 1, Q, rot_dim] (broadcast over heads)."""
-        cos, sin = self._table(int(positions.max().item()) + 1, positions.device)
+        if self._reserved:
+            cos, sin = self._cos, self._sin
+        else:
+            cos, sin = self._table(int(positions.max().item()) + 1, positions.device)
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
 

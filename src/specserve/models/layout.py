@@ -58,7 +58,8 @@ class TwoLayoutLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]."""
         rows = x.numel() // self.in_features
-        return F.linear(x, self.weight_cm if rows in FEW_ROWS else self.weight, self.bias)
+        few = FEW_ROWS.start <= rows < FEW_ROWS.stop  # (not `in`: a compiled step sees a symbolic row count)
+        return F.linear(x, self.weight_cm if few else self.weight, self.bias)
 
 
 def two_layout_heads(model: nn.Module, names: tuple[str, ...] = ("lm_head",)) -> int:

@@ -21,7 +21,7 @@ import yaml
 
 from specserve.cli_args import add_model_args, add_speculative_args, speculative_from_args
 from specserve.config import DTYPES, SpeculativeConfig
-from specserve.engine.engine_config import EngineConfig
+from specserve.engine.engine_config import EngineConfig, eager_by_default
 from specserve.models.loader import resolve_model_path
 from specserve.server.tool_parsers import TOOL_PARSERS
 
@@ -111,6 +111,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="deliver each step's outputs before starting the next (no output/compute overlap)")
     e.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant forwards: a request's tokens do not depend on the rest of the batch")
+    e.add_argument("--enforce-eager", "--disable-cuda-graph", action=argparse.BooleanOptionalAction,
+                   dest="enforce_eager",
+                   default=eager_by_default(),
+                   help="no compiled decode steps (vLLM's --enforce-eager; SGLang's --disable-cuda-graph)")
+    e.add_argument("--cuda-graph-max-bs", type=int, default=16,
+                   help="the largest decode batch a compiled step is built for (larger batches run eager)")
     add_speculative_args(p)
     s = p.add_argument_group("adaptive speculation")
     s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -210,6 +216,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             enable_prefix_cache=not ns.disable_radix_cache,
             hicache_gb=ns.hicache_size if ns.enable_hierarchical_cache else 0.0,
             batch_invariant=ns.enable_deterministic_inference,
+            enforce_eager=ns.enforce_eager, cuda_graph_max_bs=ns.cuda_graph_max_bs,
         ),
         speculative_adaptive=ns.speculative_adaptive, speculative_adaptive_profile=ns.speculative_adaptive_profile,
         speculative_adaptive_trace=ns.speculative_adaptive_trace,

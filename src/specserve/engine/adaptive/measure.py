@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specserve.engine.adaptive.costs import CostProfile, monotone
+from specserve.engine.compiled import CompiledSteps
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.runner import ModelRunner, Row
 from specserve.kv.block_pool import BlockPool
@@ -36,6 +37,7 @@ class ProfiledEngine(Protocol):
     max_draft: int
     capture: tuple[int, ...]
     runner: ModelRunner
+    compiled: CompiledSteps | None
     pool: BlockPool
     kv: PagedKVCache
 
@@ -90,6 +92,8 @@ def profile_key(engine: ProfiledEngine) -> str:
         "threads": torch.get_num_threads(), "block": engine.config.kv_block_size,
         "max_batch": engine.config.max_num_seqs, "max_draft": engine.max_draft,
         "batch_invariant": engine.config.batch_invariant, "context": PROFILE_CONTEXT,
+        # compiled decode steps (engine/compiled.py) cost less than eager ones
+        "compiled": None if engine.compiled is None else [engine.compiled.max_batch, engine.compiled.max_width],
         # the projections' storage order (models/layout.py): the same weights multiply at another speed
         "weight_strides": None if proj is None else list(proj.weight.stride()),
         "head": type(engine.model.lm_head).__name__,  # one layout or two (models/layout.py)
@@ -128,7 +132,10 @@ def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: b
     def forward(b: int, q: int) -> None:
         row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)),
                   write_slots=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), context=context, logits="all")
-        engine.runner.forward([row] * b, engine.capture)
+        rows = [row] * b
+        compiled = engine.compiled.forward(rows, engine.capture) if engine.compiled is not None else None
+        if compiled is None:  # what the engine's pass of that shape runs: compiled where a bucket holds it
+            engine.runner.forward(rows, engine.capture)
 
     profile = measure_profile(forward, key, batches, widths, progress=lambda done, _total: bar.update(1))
     bar.close()

@@ -1,0 +1,95 @@
+"""Compiled decode steps (`engine/compiled.py`): in float32 they give exactly the eager engine's tokens, plain and
+speculative, batched and one by one; each bucket compiles once however the context grows; passes outside every
+bucket run eager; the server reports its buckets and takes --enforce-eager / --disable-cuda-graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from server_util import running_server
+from specserve.config import SpeculativeConfig
+from specserve.engine.compiled import BATCH_BUCKETS, Bucket, CompiledSteps
+from specserve.engine.engine_config import EngineConfig
+from specserve.engine.llm import LLM
+from specserve.engine.runner import Row
+from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.types import SamplingParams
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Foo:\n", "x = [1, 2, 3]\n", "for i in range(10):"]
+PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def engines(llm: LLM) -> list[CompiledSteps]:
+    return [e.compiled for e in llm._engines.values() if e.compiled is not None]
+
+
+def test_compiled_plain_and_speculative_equal_eager(tiny_dir: Path, tmp_path: Path) -> None:
+    init_random_dflash(LLM(tiny_dir, device="cpu", dtype="float32").config, tmp_path / "dflash", seed=3,
+                       block_size=8)
+    prompts = PROMPTS
+    for spec in (None, SpeculativeConfig.resolve("DFLASH", str(tmp_path / "dflash"), dflash_block_size=8,
+                                                 tree="ddtree", num_draft_tokens=10)):
+        eager = LLM(tiny_dir, device="cpu", dtype="float32", speculative=spec, enforce_eager=True)
+        compiled = LLM(tiny_dir, device="cpu", dtype="float32", speculative=spec, enforce_eager=False)
+        one_by_one = [eager.generate([p], PARAMS)[0].token_ids for p in prompts]
+        assert [compiled.generate([p], PARAMS)[0].token_ids for p in prompts] == one_by_one
+        batched = [r.token_ids for r in eager.generate(prompts, PARAMS)]
+        assert [r.token_ids for r in compiled.generate(prompts, PARAMS)] == batched
+        steps = engines(compiled)
+        assert steps and all(s.hits > 0 for s in steps)
+        assert not engines(eager)
+        buckets = {b for s in steps for b in s.buckets}
+        if spec is None:
+            assert {"1x1", "8x1"} <= buckets  # one by one; five plain decodes padded to eight rows
+        else:
+            assert buckets == {"1x12"}  # one request's 11-token tree, padded to twelve; batched trees run eager
+
+
+def test_a_bucket_compiles_once_as_the_context_grows(tiny_dir: Path) -> None:
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=False)
+    llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))  # one decode step: compiled
+    torch._dynamo.utils.counters.clear()
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert out[0].num_tokens == 40
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # 40 context lengths, no recompile
+
+
+def test_passes_outside_every_bucket_run_eager(tiny_dir: Path) -> None:
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=False)
+    engine = llm.make_engine(EngineConfig(num_kv_blocks=64, enforce_eager=False, cuda_graph_max_bs=2))
+    assert engine.compiled is not None and engine.compiled.max_width == 1  # plain: no trees
+    steps = CompiledSteps(llm.model, engine.kv, max_batch=2, max_width=4)
+    s = engine.kv.scratch
+    decode = Row([1], [3], [s], [s, s, s])
+    tree = Row([1, 2], [3, 4], [s, s], [s, s, s])
+    prefill = Row([1, 2, 3], [0, 1, 2], [s, s, s], [], logits="last")
+    assert steps.bucket([decode]) == Bucket(1, 1)
+    assert steps.bucket([decode] * 2) == Bucket(2, 1)
+    assert steps.bucket([decode] * 3) is None  # beyond --cuda-graph-max-bs
+    assert steps.bucket([tree]) == Bucket(1, 2)
+    assert steps.bucket([tree, decode]) is None  # batched trees run packed, eager
+    assert steps.bucket([Row([1] * 5, [3] * 5, [s] * 5, [s])]) is None  # wider than max_width
+    assert steps.bucket([prefill]) is None
+    assert steps.startup_buckets() == [*(Bucket(b, 1) for b in BATCH_BUCKETS if b <= 2), Bucket(1, 4)]
+    assert engine.compiled.startup_buckets() == [Bucket(1, 1), Bucket(2, 1)]
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
+        EngineConfig(cuda_graph_max_bs=0)
+
+
+@pytest.mark.server
+def test_server_compiles_its_buckets_at_start_and_takes_the_flags(tiny_dir: Path, tmp_path: Path) -> None:
+    body = {"model": "m", "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
+    want = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=True).generate(
+        [body["prompt"]], SamplingParams(max_new_tokens=12))[0].text
+    base = ["--model", str(tiny_dir), "--dtype", "float32", "--served-model-name", "m"]
+    with running_server([*base, "--no-enforce-eager", "--cuda-graph-max-bs", "2"], tmp_path / "c.log") as srv:
+        info = httpx.get(srv.url + "/server_info").json()
+        assert info["compiled_steps"] and info["compiled_buckets"] == ["1x1", "2x1"]
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+    with running_server([*base, "--disable-cuda-graph"], tmp_path / "e.log") as srv:
+        info = httpx.get(srv.url + "/server_info").json()
+        assert not info["compiled_steps"] and info["compiled_buckets"] == []
