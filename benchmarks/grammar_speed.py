@@ -10,7 +10,8 @@ Per config and concurrency, interleaved, the order of the arms reversed every ot
   loose / loose_free   : printable-ASCII text (a grammar the demo's code satisfies) and no grammar: the same
                          outputs, so their ratio is what the masks cost where nothing is forced
 The arms but constrained_noforced run on one engine (they differ only by request), so their ratios carry no
-difference between two loaded copies of the model.
+difference between two loaded copies of the model. The engines compile their decode steps (`engine/compiled.py`);
+an untimed pass of every arm at every level builds them before the first round.
 Concurrency 1 decodes the prompts one by one, concurrency C as batches of C (`LLM.generate`). Outputs of the two
 constrained arms must be identical and equal plain constrained decoding's (greedy). Prints one JSON object with
 tok/s per arm, ratios to plain constrained decoding, forced-draft speedup, accept length and mask time per token.
@@ -84,8 +85,9 @@ def main() -> None:
         arms[f"{cfg} unconstrained"] = (same, free)
         arms[f"{cfg} loose"] = (same, loose)
         arms[f"{cfg} loose_free"] = (same, free)
-    for llm, params in arms.values():  # warm-up
-        run(llm, PROMPTS[:2], SamplingParams(max_new_tokens=8, grammar=params.grammar), 2)
+    for llm, params in arms.values():  # warm-up: every compiled decode step the rounds meet is built here
+        for c in levels:
+            run(llm, PROMPTS, params, c)
     times: dict[tuple[str, int], list[float]] = {}
     outs: dict[tuple[str, int], list[GenerationResult]] = {}
     counted: dict[tuple[str, int], list[Any]] = {}

@@ -93,3 +93,40 @@ def test_server_compiles_its_buckets_at_start_and_takes_the_flags(tiny_dir: Path
     with running_server([*base, "--disable-cuda-graph"], tmp_path / "e.log") as srv:
         info = httpx.get(srv.url + "/server_info").json()
         assert not info["compiled_steps"] and info["compiled_buckets"] == []
+
+
+def test_a_step_that_fails_to_compile_runs_eager(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    def broken(self: CompiledSteps, bucket: Bucket, capture: tuple[int, ...]) -> object:
+        def step(*args: object) -> object:
+            raise RuntimeError("no C++ compiler found")
+        return step
+
+    monkeypatch.setattr(CompiledSteps, "_compile", broken)
+    want = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=True).generate(PROMPTS[:2], PARAMS)
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=False)
+    with caplog.at_level("WARNING", logger="specserve.engine"):
+        got = llm.generate(PROMPTS[:2], PARAMS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    (steps,) = engines(llm)
+    assert steps.buckets == [] and steps.hits == 0 and steps.misses > 0
+    assert "no C++ compiler found" in caplog.text and "run eager" in caplog.text
+
+
+def test_steps_of_other_engines_and_captures_stay_apart(tiny_dir: Path, tiny_draft_dir: Path) -> None:
+    """Same buckets compiled for two models and for two sets of captured layers, in one process: each equals its
+    eager forward (dynamo must not mix their compiled state up)."""
+    for model_dir, captures in ((tiny_dir, [(1,), (2,)]), (tiny_draft_dir, [(1,)])):
+        llm = LLM(model_dir, device="cpu", dtype="float32", enforce_eager=True)
+        engine = llm.make_engine(EngineConfig(num_kv_blocks=64))
+        steps = CompiledSteps(llm.model, engine.kv, max_batch=2, max_width=4)
+        for capture in captures:
+            for width in (1, 3):
+                rows = [Row(list(range(5, 5 + width)), list(range(4, 4 + width)), list(range(4, 4 + width)),
+                            [0, 1, 2, 3])]
+                got = steps.forward(rows, capture)
+                want = engine.runner.forward(rows, capture)
+                assert got is not None
+                assert torch.allclose(got[0].logits, want[0].logits, atol=1e-4)
+                assert torch.allclose(got[0].captured, want[0].captured, atol=1e-4)
+        assert steps.buckets == ["1x1", "1x3"]

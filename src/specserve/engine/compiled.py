@@ -13,6 +13,7 @@ tree, a larger batch) run eager, never fail. Measured gains and compile times: d
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Key = tuple["Bucket", tuple[int, ...]]
+
+log = logging.getLogger("specserve.engine")
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,9 @@ class CompiledSteps:
         self.cache = cache
         self.max_batch = max_batch
         self.max_width = max_width
-        self._steps: dict[tuple[Bucket, tuple[int, ...]], Step] = {}
+        self._steps: dict[Key, Step] = {}
+        self._ran: set[Key] = set()  # steps that have run once (compiled)
+        self._failed: set[Key] = set()  # steps whose compile failed: their passes run eager
         self.hits = 0  # passes run compiled
         self.misses = 0  # decode passes outside every bucket (run eager)
         model.rotary.reserve(model.config.max_position_embeddings, cache.device)
@@ -63,7 +69,7 @@ class CompiledSteps:
     @property
     def buckets(self) -> list[str]:
         """The buckets compiled so far ("BxQ"), for /server_info."""
-        return sorted({str(b) for b, _ in self._steps}, key=lambda s: tuple(int(x) for x in s.split("x")))
+        return sorted({str(b) for b, _ in self._ran}, key=lambda s: tuple(int(x) for x in s.split("x")))
 
     def bucket(self, rows: list[Row]) -> Bucket | None:
         """The bucket a pass of these rows runs in, or None (eager)."""
@@ -83,7 +89,7 @@ class CompiledSteps:
         return out + ([Bucket(1, width)] if width is not None else [])
 
     def warm(self, bucket: Bucket, capture: tuple[int, ...]) -> None:
-        """Compile `bucket` now (at load) with a pass over the scratch slot."""
+        """Compile `bucket` now (at load) with a pass over the scratch slot (a failure is logged: eager)."""
         scratch = self.cache.scratch
         rows = [Row([0] * bucket.width, list(range(bucket.width)), [scratch] * bucket.width, [scratch])
                 for _ in range(bucket.batch)]
@@ -92,13 +98,14 @@ class CompiledSteps:
     @torch.inference_mode()
     def forward(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
         bucket = self.bucket(rows)
-        if bucket is None:
+        out = None if bucket is None or (bucket, capture) in self._failed else self._run(bucket, rows, capture)
+        if out is None:
             self.misses += 1
-            return None
-        self.hits += 1
-        return self._run(bucket, rows, capture)
+        else:
+            self.hits += 1
+        return out
 
-    def _run(self, bucket: Bucket, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput]:
+    def _run(self, bucket: Bucket, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
         b, q = bucket.batch, bucket.width
         dev, scratch = self.cache.device, self.cache.scratch
         pad = [Row([], [], [], [])] * (b - len(rows))
@@ -113,15 +120,20 @@ class CompiledSteps:
         m = mask(rows + pad, qs, cs, q, k_len).to(dev)  # [B, 1, Q, K]
         torch._dynamo.mark_dynamic(read, 1)
         torch._dynamo.mark_dynamic(m, 3)
-        logits, captured = self._step(bucket, capture)(ids, pos, write, read, m)  # [B, Q, V], [B, Q, n*H]
-        return [RowOutput(logits[i, :r.q], captured[i, :r.q] if capture else None) for i, r in enumerate(rows)]
-
-    def _step(self, bucket: Bucket, capture: tuple[int, ...]) -> Step:
         key = (bucket, capture)
-        step = self._steps.get(key)
-        if step is None:
-            step = self._steps[key] = self._compile(bucket, capture)
-        return step
+        step = self._steps.get(key) or self._steps.setdefault(key, self._compile(bucket, capture))
+        if key in self._ran:
+            logits, captured = step(ids, pos, write, read, m)  # [B, Q, V], [B, Q, n*H]
+        else:  # the first call compiles: a failure there (no C++ compiler, an unsupported op) leaves it eager
+            try:
+                logits, captured = step(ids, pos, write, read, m)
+            except Exception as e:  # whatever inductor raises, the pass runs eager instead
+                log.warning("compiling the %s decode step failed; its passes run eager (%s: %s)", bucket,
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self._failed.add(key)
+                return None
+            self._ran.add(key)
+        return [RowOutput(logits[i, :r.q], captured[i, :r.q] if capture else None) for i, r in enumerate(rows)]
 
     def _compile(self, bucket: Bucket, capture: tuple[int, ...]) -> Step:
         model, cache = self.model, self.cache
@@ -133,7 +145,10 @@ class CompiledSteps:
             feats = torch.cat(out.captured, dim=-1) if capture else out.logits.new_zeros(0)
             return out.logits, feats
 
-        # a code object of its own per bucket: dynamo keeps (and checks guards of) compiled entries per code object
-        code = step.__code__.replace(co_name=f"step_{bucket.batch}x{bucket.width}")
+        # A code object of its own per engine and bucket: dynamo keeps (and checks the guards of) compiled entries
+        # per code object. Static but for the dims marked dynamic: with automatic dynamic shapes, another step of the
+        # same name (dynamo keys that state by name and line) would turn this one's ints symbolic.
+        layers = "_".join(str(i) for i in capture)
+        code = step.__code__.replace(co_name=f"step_{bucket.batch}x{bucket.width}_{layers}_{id(self):x}")
         fresh = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-        return torch.compile(fresh, fullgraph=True, dynamic=None, options={"freezing": True})
+        return torch.compile(fresh, fullgraph=True, dynamic=False, options={"freezing": True})
