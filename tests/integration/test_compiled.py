@@ -74,7 +74,8 @@ def test_passes_outside_every_bucket_run_eager(tiny_dir: Path) -> None:
     assert steps.bucket([tree, decode]) is None  # batched trees run packed, eager
     assert steps.bucket([Row([1] * 5, [3] * 5, [s] * 5, [s])]) is None  # wider than max_width
     assert steps.bucket([prefill]) is None
-    assert steps.startup_buckets() == [*(Bucket(b, 1) for b in BATCH_BUCKETS if b <= 2), Bucket(1, 4)]
+    assert steps.startup_buckets() == [*(Bucket(b, 1) for b in BATCH_BUCKETS if b <= 2), *(Bucket(1, q)
+                                                                                            for q in (2, 3, 4))]
     assert engine.compiled.startup_buckets() == [Bucket(1, 1), Bucket(2, 1)]
     with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
         EngineConfig(cuda_graph_max_bs=0)
@@ -130,3 +131,17 @@ def test_steps_of_other_engines_and_captures_stay_apart(tiny_dir: Path, tiny_dra
                 assert torch.allclose(got[0].logits, want[0].logits, atol=1e-4)
                 assert torch.allclose(got[0].captured, want[0].captured, atol=1e-4)
         assert steps.buckets == ["1x1", "1x3"]
+
+
+def test_warmed_buckets_are_not_compiled_again_by_the_passes(tiny_dir: Path) -> None:
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=True)
+    engine = llm.make_engine(EngineConfig(num_kv_blocks=64))
+    steps = CompiledSteps(llm.model, engine.kv, max_batch=2, max_width=3)
+    for bucket in steps.startup_buckets():
+        steps.warm(bucket, ())
+    torch._dynamo.utils.counters.clear()
+    s = engine.kv.scratch
+    for k in (5, 40):
+        assert steps.forward([Row([1], [k], [s], list(range(k)))] * 2, ()) is not None
+        assert steps.forward([Row([1, 2, 3], [k] * 3, [s] * 3, list(range(k)))], ()) is not None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0

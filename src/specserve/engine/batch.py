@@ -193,8 +193,8 @@ class BatchEngine:
         }
 
     def warm_compiled(self, progress: bool = True) -> None:
-        """Compile, before serving, the buckets a server meets at once: plain decodes of every batch bucket up to
-        --cuda-graph-max-bs and a single request's full-width tree (narrower trees compile on first use)."""
+        """Compile, before serving, the buckets a server meets: plain decodes of every batch bucket up to
+        --cuda-graph-max-bs and a single request's trees of every width up to the drafter's widest."""
         if self.compiled is None:
             return
         wanted = self.compiled.startup_buckets()

@@ -83,11 +83,14 @@ class CompiledSteps:
         return Bucket(b, q) if b is not None and q is not None else None
 
     def startup_buckets(self) -> list[Bucket]:
-        """Plain decodes of every batch bucket up to `max_batch`, and one row's widest tree."""
+        """Plain decodes of every batch bucket up to `max_batch`, and one row's trees of every width bucket up to
+        the widest (trees vary in size from step to step: a bucket left to its first use stalls serving while it
+        compiles)."""
         out = [Bucket(b, 1) for b in BATCH_BUCKETS if b <= self.max_batch]
-        width = bucket_for(WIDTH_BUCKETS, self.max_width) if self.max_width > 1 else None
-        return out + ([Bucket(1, width)] if width is not None else [])
+        widest = bucket_for(WIDTH_BUCKETS, self.max_width) or 0
+        return out + [Bucket(1, q) for q in WIDTH_BUCKETS if 1 < q <= widest]
 
+    @torch.inference_mode()  # as the engine's passes run: a graph compiled under autograd would not be reused
     def warm(self, bucket: Bucket, capture: tuple[int, ...]) -> None:
         """Compile `bucket` now (at load) with a pass over the scratch slot (a failure is logged: eager)."""
         scratch = self.cache.scratch
