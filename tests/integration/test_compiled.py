@@ -145,3 +145,13 @@ def test_warmed_buckets_are_not_compiled_again_by_the_passes(tiny_dir: Path) -> 
         assert steps.forward([Row([1], [k], [s], list(range(k)))] * 2, ()) is not None
         assert steps.forward([Row([1, 2, 3], [k] * 3, [s] * 3, list(range(k)))], ()) is not None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_a_dynamic_rope_model_runs_eager(tmp_path: Path) -> None:
+    from tiny import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ntk", "LlamaForCausalLM", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    eager = LLM(path, device="cpu", dtype="float32", enforce_eager=True).generate(PROMPTS[:1], PARAMS)
+    llm = LLM(path, device="cpu", dtype="float32", enforce_eager=False)
+    assert [r.token_ids for r in llm.generate(PROMPTS[:1], PARAMS)] == [r.token_ids for r in eager]
+    assert not engines(llm)  # no fixed RoPE table for a graph to hold

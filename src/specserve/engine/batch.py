@@ -126,8 +126,10 @@ class BatchEngine:
             self.pool, self.cache,
         )
         self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
-        self.compiled = (None if config.enforce_eager or config.batch_invariant else
-                         CompiledSteps(model, self.kv, config.cuda_graph_max_bs, self.max_draft + 1))
+        # (a dynamic-NTK RoPE table changes with the length: no fixed graph holds it, such models run eager)
+        compile_steps = not (config.enforce_eager or config.batch_invariant or model.rotary.rope.rope_type == "dynamic")
+        self.compiled = (CompiledSteps(model, self.kv, config.cuda_graph_max_bs, self.max_draft + 1)
+                         if compile_steps else None)
         # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)
         self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
