@@ -1,4 +1,4 @@
-"""`specserve generate`: JSON output, and one-line errors (no traceback) for bad input."""
+"""`specserve generate`: JSON output, `--compile` (the eager tokens), one-line errors (no traceback) for bad input."""
 
 from __future__ import annotations
 
@@ -27,6 +27,19 @@ def test_generate_json(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> No
     obj = json.loads(out)
     assert obj["num_tokens"] == 12 == len(obj["token_ids"])
     assert obj["tokens_per_s"] > 0 and isinstance(obj["text"], str)
+
+
+def test_generate_compile_gives_the_eager_tokens(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> None:
+    import torch
+
+    argv = ["generate", "--model", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "12", "--ignore-eos",
+            "--json", "--device", "cpu", "--dtype", "float32"]
+    code, eager, _ = run(capsys, *argv)
+    torch._dynamo.utils.counters.clear()
+    code2, compiled, _ = run(capsys, *argv, "--compile")
+    assert code == code2 == 0
+    assert json.loads(compiled)["token_ids"] == json.loads(eager)["token_ids"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # --compile did compile the decode step
 
 
 def _one_line_error(code: int, err: str, *needles: str) -> None:
