@@ -247,11 +247,15 @@ class BatchEngine:
         self.counters.step_s += time.perf_counter() - t0
         return outs
 
+    def target_forward(self, rows: list[Row]) -> list[RowOutput]:
+        """The target's forward over `rows`: compiled where a bucket holds the pass (`engine/compiled.py`), else
+        eager (`engine/runner.py`)."""
+        out = self.compiled.forward(rows, self.capture) if self.compiled is not None else None
+        return out if out is not None else self.runner.forward(rows, self.capture)
+
     def _forward(self, rows: list[Row]) -> list[RowOutput]:
         t0 = time.perf_counter()
-        out = self.compiled.forward(rows, self.capture) if self.compiled is not None else None
-        if out is None:
-            out = self.runner.forward(rows, self.capture)
+        out = self.target_forward(rows)
         if self.capture:  # the captured states go next to their K/V, in one write per forward
             captured = [res.captured for res in out if res.captured is not None]
             assert len(captured) == len(rows)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from specserve.engine.adaptive.costs import CostProfile, monotone
 from specserve.engine.compiled import CompiledSteps
 from specserve.engine.engine_config import EngineConfig
-from specserve.engine.runner import ModelRunner, Row
+from specserve.engine.runner import Row, RowOutput
 from specserve.kv.block_pool import BlockPool
 from specserve.kv.paged import PagedKVCache
 from specserve.models.llama import CausalLM
@@ -36,13 +36,14 @@ class ProfiledEngine(Protocol):
     config: EngineConfig
     max_draft: int
     capture: tuple[int, ...]
-    runner: ModelRunner
     compiled: CompiledSteps | None
     pool: BlockPool
     kv: PagedKVCache
 
     @property
     def has_unfinished(self) -> bool: ...
+
+    def target_forward(self, rows: list[Row]) -> list[RowOutput]: ...
 
 log = logging.getLogger("specserve.engine")
 
@@ -132,10 +133,7 @@ def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: b
     def forward(b: int, q: int) -> None:
         row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)),
                   write_slots=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), context=context, logits="all")
-        rows = [row] * b
-        compiled = engine.compiled.forward(rows, engine.capture) if engine.compiled is not None else None
-        if compiled is None:  # what the engine's pass of that shape runs: compiled where a bucket holds it
-            engine.runner.forward(rows, engine.capture)
+        engine.target_forward([row] * b)  # what the engine's pass of that shape runs, compiled or eager
 
     profile = measure_profile(forward, key, batches, widths, progress=lambda done, _total: bar.update(1))
     bar.close()
