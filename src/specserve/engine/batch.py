@@ -126,8 +126,8 @@ class BatchEngine:
             self.pool, self.cache,
         )
         self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
-        # (a dynamic-NTK RoPE table changes with the length: no fixed graph holds it, such models run eager)
-        compile_steps = not (config.enforce_eager or config.batch_invariant or model.rotary.rope.rope_type == "dynamic")
+        # (a RoPE table that changes with the length, dynamic NTK, fits no fixed graph: such models run eager)
+        compile_steps = not (config.enforce_eager or config.batch_invariant or not model.rotary.can_reserve)
         self.compiled = (CompiledSteps(model, self.kv, config.cuda_graph_max_bs, self.max_draft + 1)
                          if compile_steps else None)
         # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)

@@ -52,9 +52,7 @@ class CompiledSteps:
     hold (the caller runs it eager)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_batch: int, max_width: int) -> None:
-        if model.rotary.rope.rope_type == "dynamic":
-            raise ValueError("compiled steps need a fixed RoPE table; dynamic NTK scaling recomputes it per length: "
-                             "run with --enforce-eager")
+        """`model`'s RoPE table must be reservable (`RotaryEmbedding.can_reserve`)."""
         self.model = model
         self.cache = cache
         self.max_batch = max_batch
@@ -125,17 +123,16 @@ class CompiledSteps:
         torch._dynamo.mark_dynamic(m, 3)
         key = (bucket, capture)
         step = self._steps.get(key) or self._steps.setdefault(key, self._compile(bucket, capture))
-        if key in self._ran:
+        try:
             logits, captured = step(ids, pos, write, read, m)  # [B, Q, V], [B, Q, n*H]
-        else:  # the first call compiles: a failure there (no C++ compiler, an unsupported op) leaves it eager
-            try:
-                logits, captured = step(ids, pos, write, read, m)
-            except Exception as e:  # whatever inductor raises, the pass runs eager instead
-                log.warning("compiling the %s decode step failed; its passes run eager (%s: %s)", bucket,
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self._failed.add(key)
-                return None
-            self._ran.add(key)
+        except Exception as e:  # the first call compiles: whatever inductor raises there leaves the bucket eager
+            if key in self._ran:
+                raise
+            log.warning("compiling the %s decode step failed; its passes run eager (%s: %s)", bucket,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._failed.add(key)
+            return None
+        self._ran.add(key)
         return [RowOutput(logits[i, :r.q], captured[i, :r.q] if capture else None) for i, r in enumerate(rows)]
 
     def _compile(self, bucket: Bucket, capture: tuple[int, ...]) -> Step:

@@ -31,7 +31,7 @@ class EngineConfig:
     hicache_gb: float = 0.0  # host tier size; 0 = off
     batch_invariant: bool = False
     grammar_forced_drafts: bool = True  # tokens a request's grammar forces are drafted (verified as any draft)
-    enforce_eager: bool = field(default_factory=lambda: eager_by_default())  # no compiled steps (engine/compiled.py)
+    enforce_eager: bool = field(default_factory=eager_by_default)  # no compiled steps (engine/compiled.py)
     cuda_graph_max_bs: int = 16  # the largest batch a compiled decode step is built for
 
     def __post_init__(self) -> None:

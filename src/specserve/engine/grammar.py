@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specserve.speculative.trees.tree import DraftTree
+from specserve.speculative.trees.tree import DraftTree, child_by_token
 from specserve.tokenizer import Tokenizer
 from specserve.types import Grammar
 
@@ -276,9 +276,7 @@ def greedy_picks(state: GrammarState, tree: DraftTree, logits: torch.Tensor) -> 
     (greedy verification never reads it). The state is walked down the path and back."""
     picks = logits.argmax(dim=-1).tolist()
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    child_of: list[dict[int, int]] = [{} for _ in tokens]
-    for i in range(1, len(tokens)):
-        child_of[parents[i]].setdefault(tokens[i], i)
+    child_of = child_by_token(tokens, parents)
     node, depth = 0, 0
     while True:
         child = child_of[node].get(picks[node])

@@ -90,10 +90,15 @@ class RotaryEmbedding(nn.Module):
         self._sin = torch.empty(0)
         self._reserved = False  # the table is fixed: positions are not read back to size it (`reserve`)
 
+    @property
+    def can_reserve(self) -> bool:
+        """Whether one table serves every length (not so for dynamic NTK scaling, recomputed per length)."""
+        return self.rope.rope_type != "dynamic"
+
     def reserve(self, length: int, device: torch.device) -> None:
         """Build the table for positions below `length` once and stop sizing it per call: `cos_sin` then reads
         no position back to the host, which a compiled step cannot do. Not for dynamic NTK scaling."""
-        if self.rope.rope_type == "dynamic":
+        if not self.can_reserve:
             raise ValueError("a dynamic-NTK RoPE table depends on the sequence length; it cannot be reserved")
         self._table(length, device)
         self._reserved = True

@@ -20,7 +20,7 @@ from itertools import pairwise
 import torch
 
 from specserve.layers.sampling import sample
-from specserve.speculative.trees.tree import DraftTree
+from specserve.speculative.trees.tree import DraftTree, child_by_token
 
 
 @dataclass(frozen=True)
@@ -138,9 +138,7 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _descend(tokens: list[int], parents: list[int], picks: list[int]) -> VerifyResult:
     """From the root, accept the child carrying the target's pick at each node (the first such sibling
     when several carry it); the pick at the first node without such a child is the bonus."""
-    child_of: list[dict[int, int]] = [{} for _ in tokens]
-    for i in range(1, len(tokens)):
-        child_of[parents[i]].setdefault(tokens[i], i)
+    child_of = child_by_token(tokens, parents)
     accepted: list[int] = []
     node = 0
     while (child := child_of[node].get(picks[node])) is not None:

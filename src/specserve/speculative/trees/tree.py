@@ -70,6 +70,14 @@ class DraftTree:
         return kids
 
 
+def child_by_token(tokens: list[int], parents: list[int]) -> list[dict[int, int]]:
+    """[N+1] maps token -> the first child of node i carrying it (greedy verification follows these)."""
+    child_of: list[dict[int, int]] = [{} for _ in tokens]
+    for i in range(1, len(tokens)):
+        child_of[parents[i]].setdefault(tokens[i], i)
+    return child_of
+
+
 def descendants(parents: list[int], node: int) -> list[bool]:
     """parents (parents[i] < i) -> [N+1] bool: node i lies below `node` (node itself excluded)."""
     below = [False] * len(parents)
