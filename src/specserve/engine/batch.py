@@ -20,6 +20,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -130,6 +131,8 @@ class BatchEngine:
         compile_steps = not (config.enforce_eager or config.batch_invariant or not model.rotary.can_reserve)
         self.compiled = (CompiledSteps(model, self.kv, config.cuda_graph_max_bs, self.max_draft + 1)
                          if compile_steps else None)
+        if compile_steps and drafters is not None:
+            drafters.compile_drafting()
         # unverified trees drafted during plain steps, for the adaptive policy (drafters that cost nothing)
         self.shadow = ShadowRounds() if drafters is not None and drafters.free_drafting else None
         self.counters = EngineCounters()
@@ -192,6 +195,7 @@ class BatchEngine:
             "speculative_adaptive": self.policy is not None,
             "compiled_steps": self.compiled is not None,
             "compiled_buckets": self.compiled.buckets if self.compiled is not None else [],
+            "compiled_drafting": self.drafters.compiled.graphs if self.drafters and self.drafters.compiled else [],
         }
 
     def warm_compiled(self, progress: bool = True) -> None:
@@ -199,11 +203,15 @@ class BatchEngine:
         --cuda-graph-max-bs and a single request's trees of every width up to the drafter's widest."""
         if self.compiled is None:
             return
-        wanted = self.compiled.startup_buckets()
+        steps = self.compiled
+        capture = self.capture
+        wanted: list[tuple[str, Callable[[], None]]] = [(str(b), partial(steps.warm, b, capture))
+                                                        for b in steps.startup_buckets()]
+        wanted += self.drafters.drafting_warmups() if self.drafters is not None else []
         bar = tqdm(wanted, desc="compiling decode steps", unit="shape", disable=not progress)
-        for bucket in bar:
-            bar.set_postfix_str(str(bucket))
-            self.compiled.warm(bucket, self.capture)
+        for name, warm in bar:
+            bar.set_postfix_str(name)
+            warm()
 
     # -- requests
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model, resolve_model_path
 from specserve.speculative.draft_model import DraftModelDrafter, check_draft_model
 from specserve.speculative.drafter import Drafter
+from specserve.speculative.eagle3.compiled import CompiledChains
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.suffix import SuffixDrafter
 from specserve.speculative.suffix_index import SuffixCache
@@ -107,6 +110,36 @@ class DrafterBuilder:
         if device.type == "cpu" and isinstance(self.weights, nn.Module):  # as the target's (models/layout.py)
             column_major_projections(self.weights)
             two_layout_heads(self.weights)
+        self.compiled: CompiledChains | None = None  # compiled drafting (`compile_drafting`), shared by the requests
+
+    def compile_drafting(self) -> None:
+        """Draft through compiled graphs where this drafter has them: EAGLE-3 greedy chains
+        (`eagle3/compiled.py`). The engine calls it when it compiles its own steps (not --enforce-eager)."""
+        s = self.spec
+        if s.algorithm != "EAGLE3" or s.eagle_topk != 1 or self.compiled is not None:
+            return
+        from specserve.speculative.eagle3.model import Eagle3Model
+
+        model, target = self.weights, self.target
+        assert isinstance(model, Eagle3Model)
+        if not model.rotary.can_reserve:
+            return
+        dtype = model.lm_head.weight.dtype
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:
+            table = model.embed_tokens if model.embed_tokens is not None else target.embed
+            return table(ids).to(dtype)
+
+        self.compiled = CompiledChains(model, embed, s.num_steps)
+
+    def drafting_warmups(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, compile it now) for each compiled drafting graph a server meets: every chain length up to
+        --speculative-num-steps (the adaptive policy cuts rounds short)."""
+        chains = self.compiled
+        if chains is None:
+            return []
+        width = len(self.capture) * self.target.config.hidden_size
+        return [(f"eagle3 chain {s}", partial(chains.warm, s, width)) for s in range(1, chains.max_steps + 1)]
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -151,7 +184,8 @@ class DrafterBuilder:
         if s.algorithm == "EAGLE3":
             from specserve.speculative.eagle3.drafter import Eagle3Drafter
 
-            return Eagle3Drafter(self.weights, self.target, s, params, generator, max_len)  # type: ignore[arg-type]
+            return Eagle3Drafter(self.weights, self.target, s, params, generator, max_len,  # type: ignore[arg-type]
+                                 compiled=self.compiled)
         from specserve.speculative.dflash.drafter import DFlashDrafter
 
         return DFlashDrafter(self.weights, self.target, s, params, generator, max_len,  # type: ignore[arg-type]

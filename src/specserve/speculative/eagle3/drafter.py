@@ -27,6 +27,7 @@ from specserve.layers.sampling import sample, target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.eagle3.checkpoint import check_target
+from specserve.speculative.eagle3.compiled import PAD, CompiledChains
 from specserve.speculative.eagle3.model import Eagle3Model
 from specserve.speculative.trees.eagle_tree import expand_eagle_tree
 from specserve.speculative.trees.tree import DraftTree
@@ -35,7 +36,8 @@ from specserve.types import SamplingParams
 
 class Eagle3Drafter(Drafter):
     def __init__(self, model: Eagle3Model, target: CausalLM, spec: SpeculativeConfig, params: SamplingParams,
-                 generator: torch.Generator | None, max_len: int) -> None:
+                 generator: torch.Generator | None, max_len: int, compiled: CompiledChains | None = None) -> None:
+        """`compiled`: greedy chain rounds as compiled graphs (`eagle3/compiled.py`), None: all eager."""
         cfg = model.config
         check_target(cfg, target.config, model.embed_tokens is not None, "(loaded drafter)")
         if spec.num_steps < 1:
@@ -53,8 +55,9 @@ class Eagle3Drafter(Drafter):
         self.dtype = model.lm_head.weight.dtype
         # Fed draft nodes per round: the root plus topk per step but the last (one per step for a chain).
         self.max_fed = 1 + (spec.num_steps - 1) * spec.eagle_topk
-        self.kv = ContiguousKVCache.allocate(cfg.layer, 1, max_len + self.max_fed, self.device, self.dtype,
-                                             num_layers=1)
+        self.compiled = compiled if spec.eagle_topk == 1 and params.greedy else None
+        room = self.max_fed + (PAD if self.compiled is not None else 0)  # a compiled round pads its commit
+        self.kv = ContiguousKVCache.allocate(cfg.layer, 1, max_len + room, self.device, self.dtype, num_layers=1)
         self.committed = 0  # drafter KV slots holding complete pairs (= target positions before the root)
         # [n_i, 3·Ht] parts of the features awaiting their next token (concatenated once, at the next commit);
         # None right after a commit, until accept()
@@ -86,6 +89,10 @@ class Eagle3Drafter(Drafter):
     def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
         assert self._pending_hidden is not None, "propose() must follow prefill() or accept()"
         assert self._root is None or self._root == root, "propose(root) must get accept()'s next_root"
+        if self.compiled is not None:
+            tree = self._compiled_chain(root, _steps(self.spec.num_steps, max_drafts))
+            if tree is not None:
+                return tree
         feat = self._commit(root)  # [1, H]
         self._root = root
         if self.spec.eagle_topk == 1:
@@ -117,6 +124,21 @@ class Eagle3Drafter(Drafter):
         assert self._root is None or self._root == root, "skip(root) must get accept()'s next_root"
         self._pending_tokens.append(root)
         self._root = root
+
+    def _compiled_chain(self, root: int, steps: int) -> DraftTree | None:
+        """The round as one compiled graph, where it holds the round (None: run it eager)."""
+        assert self.compiled is not None and self._pending_hidden is not None
+        tokens = [*self._pending_tokens, root]
+        if (not self.compiled.holds(steps, len(tokens))
+                or self.compiled.slots_needed(self.committed, steps) > self.kv.max_len):
+            return None
+        parts = self._pending_hidden
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n, 3·Ht]
+        drafts = self.compiled.run(self.kv, tokens, hidden, self.committed, steps)  # [S]
+        if drafts is None:
+            return None
+        self._mark_committed(len(tokens), root)
+        return DraftTree.chain(root, drafts)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         emb = self.model.embed_tokens(ids) if self.model.embed_tokens is not None else self.target.embed(ids)
