@@ -66,7 +66,8 @@ def _train_target(a: argparse.Namespace) -> int:
         num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
         intermediate_size=a.intermediate_size, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
         warmup_steps=a.warmup_steps, max_steps=a.max_steps, max_minutes=a.max_minutes, seed=a.seed,
-        threads=a.threads, compile=a.compile,
+        threads=a.threads, compile=a.compile, init_from=Path(a.init_from) if a.init_from else None,
+        loop_eval=not a.no_loop_eval, eval_every=a.eval_every, save_every=a.eval_every,
     )
     print(json.dumps(train(cfg, resume=a.resume)))
     return 0
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--compile", action="store_true", help="torch.compile the training step")
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a finished checkpoint's weights (its architecture and tokenizer are kept; the "
+                        "size flags are ignored) under a new warm-up and cosine schedule")
+    t.add_argument("--eval-every", type=int, default=250, help="steps between evaluations and checkpoints")
+    t.add_argument("--no-loop-eval", action="store_true",
+                   help="skip the loop measure (greedy repeated 4-grams on the coding prompts) at each evaluation")
     t.set_defaults(func=_train_target)
 
     add_serve_parser(sub)

@@ -109,7 +109,7 @@ def test_malformed_prompts_file_is_an_error_naming_the_line(tiny_dir: Path, tmp_
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "def f():"}\n{"prompt": 3}\n{"prompt": "x"}\n')
     assert main(["prepare", "--target", str(tiny_dir), "--prompts", str(bad), "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err.strip()
+    err = "".join(capsys.readouterr()).strip()
     assert len(err.splitlines()) == 1 and f"{bad}:2:" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
@@ -295,3 +295,32 @@ def test_dflash_export_round_trips(data_dir: Path, tiny_dir: Path, tmp_path: Pat
     raw = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["dflash_config"]["mask_token_id"] == 3
     assert np.isfinite(json.loads((tmp_path / "run" / "train_summary.json").read_text())["final_loss"])
+
+
+def test_train_target_init_from_keeps_the_checkpoint_and_logs_the_loop_measure(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`train-target --init-from`: starts from the checkpoint's weights (at a vanishing learning rate the result is
+    the checkpoint), keeps its tokenizer and config, and logs the loop measure at each evaluation."""
+    from specserve.cli import main as cli_main
+    from specserve.train import corpus
+
+    files = [p for p in corpus.stdlib_files() if p.name in ("textwrap.py", "shlex.py", "base64.py")]
+    monkeypatch.setattr(corpus, "stdlib_files", lambda: files)
+    monkeypatch.setattr(corpus, "is_validation", lambda p, fraction=0.02: p.name == "base64.py")
+    out, work = tmp_path / "target", tmp_path / "work"
+    args = ["train-target", "--init-from", str(tiny_dir), "--out", str(out), "--work", str(work),
+            "--max-steps", "2", "--warmup-steps", "1", "--lr", "1e-12", "--seq-len", "32", "--batch-size", "2",
+            "--eval-every", "2"]
+    assert cli_main(args) == 0
+    assert (out / "tokenizer.json").read_text() == (tiny_dir / "tokenizer.json").read_text()
+    assert json.loads((out / "config.json").read_text()) == json.loads((tiny_dir / "config.json").read_text())
+    want, got = load_file(str(tiny_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for name, w in want.items():
+        assert torch.allclose(got[name].float(), w.float(), atol=1e-2, rtol=1e-2), name
+    (entry,) = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()
+                if "loop_greedy" in line]
+    assert entry["step"] == 2 and 0.0 <= entry["loop_greedy"] <= 1.0
+    assert cli_main([*args[:2], str(tmp_path / "missing"), *args[3:]]) != 0
+    err = "".join(capsys.readouterr())
+    assert "--init-from" in err and "no config.json" in err

@@ -1,7 +1,9 @@
 """`specserve train-target`: build the bundled demo target (tokenizer + small Qwen3 code model).
 
 Reproducible from a seed: the corpus is the interpreter's standard library, split by file.
-Checkpoints are Hugging Face directories; `--resume` continues from the last one.
+Checkpoints are Hugging Face directories; `--resume` continues from the last one, `--init-from` starts a new
+schedule from a finished checkpoint (its architecture and tokenizer kept). Each evaluation also logs the loop
+measure (repeated 4-grams of greedy output on the coding prompts), the figure a longer run must bring down.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +48,30 @@ class TargetTrainConfig:
     seed: int = 0
     threads: int | None = None
     compile: bool = False
+    init_from: Path | None = None
+    loop_eval: bool = True
 
     def __post_init__(self) -> None:
-        if self.vocab_size < 512 or self.vocab_size % 64:
+        if self.init_from is None and (self.vocab_size < 512 or self.vocab_size % 64):
             raise ValueError("--vocab-size must be a multiple of 64 and at least 512")
         if self.hidden_size % self.num_heads:
             raise ValueError("--hidden-size must be divisible by --num-heads")
         if self.max_steps <= self.warmup_steps:
             raise ValueError("--max-steps must exceed --warmup-steps")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise ValueError(f"--init-from {self.init_from}: not a Hugging Face checkpoint directory "
+                             "(no config.json); pass a directory written by train-target, e.g. "
+                             "src/specserve/assets/models/demo")
+
+
+def with_init_architecture(cfg: TargetTrainConfig) -> TargetTrainConfig:
+    """The architecture of `--init-from`'s checkpoint replaces the size flags (the weights must fit it)."""
+    if cfg.init_from is None:
+        return cfg
+    raw = json.loads((Path(cfg.init_from) / "config.json").read_text())
+    return replace(cfg, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                   num_layers=raw["num_hidden_layers"], num_heads=raw["num_attention_heads"],
+                   num_kv_heads=raw["num_key_value_heads"], intermediate_size=raw["intermediate_size"])
 
 
 def hf_config(cfg: TargetTrainConfig, eos_id: int) -> dict[str, Any]:
@@ -86,6 +104,15 @@ def prepare_data(cfg: TargetTrainConfig) -> tuple[np.ndarray, np.ndarray, Path]:
     """Tokenizer + token streams, cached under `work/` (train.npy, val.npy, tokenizer.json)."""
     cfg.work.mkdir(parents=True, exist_ok=True)
     tok_path, train_path, val_path = cfg.work / "tokenizer.json", cfg.work / "train.npy", cfg.work / "val.npy"
+    if cfg.init_from is not None:
+        init_tok = (Path(cfg.init_from) / "tokenizer.json").read_text()
+        if tok_path.exists() and tok_path.read_text() != init_tok:
+            raise ValueError(f"--work {cfg.work} holds a tokenizer other than --init-from's; "
+                             "pass a fresh --work directory")
+        if not tok_path.exists():
+            tok_path.write_text(init_tok)
+            train_path.unlink(missing_ok=True)
+            val_path.unlink(missing_ok=True)
     if not (tok_path.exists() and train_path.exists() and val_path.exists()):
         files = corpus.stdlib_files()
         train_texts: list[str] = []
@@ -94,8 +121,13 @@ def prepare_data(cfg: TargetTrainConfig) -> tuple[np.ndarray, np.ndarray, Path]:
             text = corpus.read_text(f)
             if text:
                 (val_texts if corpus.is_validation(f) else train_texts).append(text)
-        tok = corpus.train_tokenizer(train_texts, cfg.vocab_size - len(corpus.ADDED_TOKENS))
-        tok.save(str(tok_path))
+        if tok_path.exists():
+            from tokenizers import Tokenizer as HFTok
+
+            tok = HFTok.from_file(str(tok_path))
+        else:
+            tok = corpus.train_tokenizer(train_texts, cfg.vocab_size - len(corpus.ADDED_TOKENS))
+            tok.save(str(tok_path))
         eos = eos_id_of(tok)
         for texts, path in ((train_texts, train_path), (val_texts, val_path)):
             ids: list[int] = []
@@ -144,6 +176,19 @@ def evaluate(model: CausalLM, val: np.ndarray, cfg: TargetTrainConfig) -> float:
     return float(np.mean(losses))
 
 
+def loop_measure(checkpoint: Path, max_new_tokens: int = 128) -> float:
+    """Mean fraction of repeated 4-grams in greedy output from the coding prompts (0 = no loops)."""
+    from specserve.bench.acceptance import repeated_ngram_fraction
+    from specserve.bench.suites import coding_prompts
+    from specserve.engine.llm import LLM
+    from specserve.types import SamplingParams
+
+    llm = LLM(checkpoint, device="cpu", dtype="bfloat16")
+    prompts = [p for _, p in coding_prompts()]
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
+    return float(np.mean([repeated_ngram_fraction(r.token_ids) for r in results]))
+
+
 def save_checkpoint(model: CausalLM, mcfg: ModelConfig, raw_cfg: dict[str, Any], tok_path: Path, out: Path,
                     state: dict[str, Any]) -> None:
     """HF directory (bf16 weights, tokenizer, config) + training state for --resume."""
@@ -168,17 +213,25 @@ def save_checkpoint(model: CausalLM, mcfg: ModelConfig, raw_cfg: dict[str, Any],
 
 
 def train(cfg: TargetTrainConfig, resume: bool = False) -> dict[str, Any]:
+    cfg = with_init_architecture(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train_ids, val_ids, tok_path = prepare_data(cfg)
     from tokenizers import Tokenizer as HFTok
 
     eos_id = eos_id_of(HFTok.from_file(str(tok_path)))
-    raw = hf_config(cfg, eos_id)
+    # --init-from: its own config (the weights must load into it), else the one the size flags make
+    raw = (json.loads((Path(cfg.init_from) / "config.json").read_text()) if cfg.init_from is not None
+           else hf_config(cfg, eos_id))
     mcfg = ModelConfig.from_hf(raw)
     torch.manual_seed(cfg.seed)
     model = CausalLM(mcfg)
     _init_weights(model, cfg.num_layers)
+    if cfg.init_from is not None:
+        from specserve.models.loader import load_model
+
+        init, _, _ = load_model(str(cfg.init_from), torch.device("cpu"), torch.float32)
+        model.load_state_dict(init.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(cfg.seed)
     step, tokens_seen, best = 0, 0, float("inf")
@@ -221,6 +274,9 @@ def train(cfg: TargetTrainConfig, resume: bool = False) -> dict[str, Any]:
                 "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
                 "step": step, "tokens_seen": tokens_seen, "config": {k: str(v) for k, v in asdict(cfg).items()},
             })
+            if cfg.loop_eval and "val_loss" in last:
+                last["loop_greedy"] = loop_measure(cfg.out)
+                bar.write(f"step {step}: val_loss {last['val_loss']:.3f}, loop measure {last['loop_greedy']:.2f}")
         with log_path.open("a") as fh:
             fh.write(json.dumps(last) + "\n")
     bar.close()
