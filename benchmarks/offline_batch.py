@@ -8,7 +8,7 @@ Per config and round, interleaved, the order of the arms reversed every other ro
   one_by_one: `LLM.generate([p])` for each prompt
   oracle   : the test oracles of `tests/reference_decoding.py` one by one (contiguous KV, one request at a
              time: what offline generation ran before it moved onto the serving engine)
-on held-out real code (`heldout-code`, greedy). Outputs must be identical across arms (printed per config).
+on held-out real code (`heldout-pip`, greedy). Outputs must be identical across arms (printed per config).
 Ratios are to the plain arm of the same kind in the same round (batch/one_by_one/oracle of NONE).
 Prints one JSON object.
 """
@@ -65,7 +65,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
     llms = {c: LLM(a.model, device="cpu", speculative=None if c == "NONE" else parse_config(c, a.model))
             for c in configs}
-    tasks = load_suite("heldout-code")[: a.num_prompts]
+    tasks = load_suite("heldout-pip")[: a.num_prompts]
     prompts = [task_prompt(llms["NONE"], t) for t in tasks]
     runs = {c: arms(llm, prompts, SamplingParams(max_new_tokens=4, ignore_eos=True)) for c, llm in llms.items()}
     for fns in runs.values():  # warm-up: one-time allocations, RoPE tables, the engines' KV pools

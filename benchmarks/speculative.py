@@ -49,6 +49,7 @@ def parse_config(text: str, model: str) -> SpeculativeConfig:
 
 VIEWS = {
     "heldout": ("heldout-code", SamplingParams(max_new_tokens=32, ignore_eos=True)),
+    "heldout_pip": ("heldout-pip", SamplingParams(max_new_tokens=32, ignore_eos=True)),
     "coding_t0": ("coding10", SamplingParams(max_new_tokens=128, ignore_eos=True)),
     "coding_t07": ("coding10", SamplingParams(max_new_tokens=128, temperature=0.7, seed=0, ignore_eos=True)),
 }
@@ -77,7 +78,7 @@ def main() -> None:
         for view in a.views.split(","):
             suite, params = VIEWS[view]
             tasks = load_suite(suite)
-            if suite == "heldout-code":
+            if suite.startswith("heldout"):
                 tasks = tasks[: a.heldout_tasks]
             report = run_acceptance(llm, tasks, params, progress=False)
             entry[view] = report["summary"] if not a.tasks else {"summary": report["summary"], "tasks": report["tasks"]}

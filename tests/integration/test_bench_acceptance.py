@@ -9,6 +9,7 @@ import pytest
 
 from specserve.bench.acceptance import repeated_ngram_fraction
 from specserve.bench.acceptance_cli import seed_summary
+from specserve.bench.suites import load_jsonl_tasks
 from specserve.cli import main
 
 
@@ -22,7 +23,7 @@ def test_acceptance_on_a_custom_suite_with_a_reference(tmp_path: Path, tiny_dir:
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     suite = tmp_path / "suite.jsonl"
     suite.write_text(
-        json.dumps({"name": "loop", "prompt": "a = 1\nb = 2\na = 1\nb = 2\n"}) + "\n"
+        json.dumps({"name": "loop", "prompt": "a = 1\nb = 2\na = 1\nb = 2\n", "kind": "after_newline"}) + "\n"
         + json.dumps({"name": "chat", "messages": [{"role": "user", "content": "write fizzbuzz"}]}) + "\n"
     )
     out = tmp_path / "acc.json"
@@ -43,12 +44,21 @@ def test_acceptance_on_a_custom_suite_with_a_reference(tmp_path: Path, tiny_dir:
         assert t["speedup"] == pytest.approx(t["spec_tokens_per_s"] / t["plain_tokens_per_s"], rel=1e-2)
     s = report["summary"]
     assert s["identical_to_plain"] == "2/2" and s["percent_of_reference"] == pytest.approx(100.0)
+    assert [t["kind"] for t in report["tasks"]] == ["after_newline", None]
+    by_kind = s["by_kind"]["after_newline"]
+    assert by_kind["tasks"] == 1 and by_kind["accept_length"] == report["tasks"][0]["accept_length"]
+    assert s["headline_accept_length"] == by_kind["accept_length_nonlooping"]  # None where the task loops
+    assert s["loop_threshold"] == 0.25
     assert report["config"]["speculative"]["algorithm"] == "STANDALONE"
 
 
 def test_acceptance_bad_suite_line(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     suite = tmp_path / "bad.jsonl"
     suite.write_text('{"name": "ok", "prompt": "x"}\n{"name": broken\n')
+    kinds = tmp_path / "kinds.jsonl"
+    kinds.write_text('{"name": "ok", "prompt": "x", "kind": "middle"}\n')
+    with pytest.raises(ValueError, match=r"kinds\.jsonl:1: kind 'middle'"):
+        load_jsonl_tasks(kinds)
     code = main(["bench", "acceptance", "--model", str(tiny_dir), "--speculative-algorithm", "NGRAM",
                  "--suite", str(suite)])
     err = capsys.readouterr().err

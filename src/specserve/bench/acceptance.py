@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.bench.by_kind import LOOP_THRESHOLD, kind_summary
 from specserve.bench.suites import Task
 from specserve.engine.llm import LLM
 from specserve.speculative.factory import DrafterBuilder
@@ -50,6 +51,7 @@ class TaskResult:
     identical_to_plain: bool | None  # greedy only: lossless check on the side
     reference_accept_length: float | None = None
     percent_of_reference: float | None = None
+    kind: str | None = None  # the task's cut kind
 
 
 def task_prompt(llm: LLM, task: Task) -> list[int]:
@@ -71,6 +73,7 @@ def run_acceptance(
     params: SamplingParams,
     reference: DrafterBuilder | None = None,
     progress: bool = True,
+    loop_threshold: float = LOOP_THRESHOLD,
 ) -> dict[str, Any]:
     if llm.drafter_builder is None:
         raise ValueError("acceptance evaluation needs --speculative-algorithm other than NONE")
@@ -112,7 +115,7 @@ def run_acceptance(
             loop_4gram=round(repeated_ngram_fraction(plain.token_ids), 4),
             identical_to_plain=(plain.token_ids == spec.token_ids) if params.greedy else None,
             reference_accept_length=None if ref_len is None else round(ref_len, 4),
-            percent_of_reference=None if pct is None else round(pct, 2),
+            percent_of_reference=None if pct is None else round(pct, 2), kind=task.kind,
         ))
     plain_tps = tot["plain_tokens"] / tot["plain_s"]
     spec_tps = tot["spec_tokens"] / tot["spec_s"]
@@ -129,6 +132,7 @@ def run_acceptance(
         "draft_share_of_time": round(tot["draft_s"] / tot["spec_s"], 4),
         "verify_share_of_time": round(tot["verify_s"] / tot["spec_s"], 4),
     }
+    summary.update(kind_summary([asdict(r) for r in results], loop_threshold))
     if params.greedy:
         summary["identical_to_plain"] = f"{sum(bool(r.identical_to_plain) for r in results)}/{len(results)}"
     if ref_steps:

@@ -26,6 +26,7 @@ import httpx
 from tqdm import tqdm
 
 from specserve.bench.acceptance import repeated_ngram_fraction
+from specserve.bench.by_kind import LOOP_THRESHOLD, kind_summary
 from specserve.bench.server_probe import (
     accept_length_from_metrics,
     accepted_per_position_from_metrics,
@@ -159,7 +160,7 @@ def _task_entry(task: Task, f: Figures, tok: Tokenizer | None, ref: Figures | No
         "speedup": None, "loop_4gram": round(repeated_ngram_fraction(tok.encode(f.text)), 4) if tok else None,
         "identical_to_plain": None, "reference_accept_length": ref_len,
         "percent_of_reference": round(100 * f.accept_length / ref.accept_length, 2) if ref and ref.accept_length
-        else None, "source": f.source,
+        else None, "source": f.source, "kind": task.kind,
     }
 
 
@@ -170,7 +171,8 @@ def _pooled(figs: list[Figures]) -> float:
 
 
 def run_remote_acceptance(tasks: list[Task], cfg: RemoteConfig, reference: RemoteConfig | None = None,
-                          tokenizer: str | None = None, progress: bool = True) -> dict[str, Any]:
+                          tokenizer: str | None = None, progress: bool = True,
+                          loop_threshold: float = LOOP_THRESHOLD) -> dict[str, Any]:
     """The acceptance report of the server at cfg.base_url (and of a reference server, task by task)."""
     server = RemoteServer(cfg)
     ref_server = RemoteServer(reference) if reference else None
@@ -195,6 +197,7 @@ def run_remote_acceptance(tasks: list[Task], cfg: RemoteConfig, reference: Remot
                                "spec_tokens_per_s": round(sum(f.new_tokens for f in figs) / seconds, 2),
                                "loop_4gram": round(sum(loops) / len(loops), 4) if loops else None,
                                "source": sorted({f.source for f in figs})}
+    summary.update(kind_summary(rows, loop_threshold))
     if ref_figs:
         ref_accept = _pooled(ref_figs)
         summary["reference_accept_length"] = round(ref_accept, 4)

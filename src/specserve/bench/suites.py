@@ -1,9 +1,12 @@
 """Prompt suites for acceptance benchmarks.
 
 - `coding10`: ten coding prompts (code openings, since the demo target is a code model).
-- `heldout-code`: contexts cut from real Python code the demo model never trained on (a
-  third-party package, not the standard library), continued for a short horizon. Small targets
-  loop under greedy decoding and loops flatter every drafter; short held-out continuations don't.
+- `heldout-code`: contexts cut from real Python code the demo model never trained on (eight third-party
+  packages, not the standard library), at three kinds of cut point (`bench/cuts.py`, the kind kept per task),
+  continued for a short horizon. Small targets loop under greedy decoding and loops flatter every drafter;
+  short held-out continuations loop less, and reports leave looping tasks out of their headline.
+- `heldout-pip`: 64 contexts of one package (pip), all cut right after a newline (the kind that flatters
+  drafters most); kept because earlier figures were measured on it.
 - a JSONL file: one task a line with `name` and `prompt` (or chat `messages`).
 """
 
@@ -13,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from specserve.bench.cuts import CUT_KINDS
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "assets" / "suites"
 
@@ -46,6 +51,7 @@ class Task:
     name: str
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    kind: str | None = None  # where the context was cut (`bench/cuts.py`), for the per-kind figures
 
 
 def coding_prompts() -> list[tuple[str, str]]:
@@ -63,19 +69,32 @@ def load_jsonl_tasks(path: Path) -> list[Task]:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
             raise ValueError(f"{path}:{lineno}: a task needs `prompt` (or chat `messages`), and may have a `name`")
+        kind = obj.get("kind")
+        if kind is not None and kind not in CUT_KINDS:
+            raise ValueError(f"{path}:{lineno}: kind {kind!r} is not one of {', '.join(CUT_KINDS)}")
         # unnamed tasks (a prompts file of `specserve.train.prompts`) are named by their line
-        tasks.append(Task(str(obj.get("name", f"{path.stem}:{lineno}")), obj.get("prompt"), obj.get("messages")))
+        tasks.append(Task(str(obj.get("name", f"{path.stem}:{lineno}")), obj.get("prompt"), obj.get("messages"),
+                          kind))
     if not tasks:
         raise ValueError(f"{path}: no tasks")
     return tasks
 
 
+HELDOUT = {"heldout-code": "heldout_code.jsonl", "heldout-pip": "heldout_pip.jsonl"}
+
+
+def default_new_tokens(suite: str) -> int:
+    """The horizon a suite is measured at: short for held-out code (a continuation, before a small target
+    drifts into loops), 128 otherwise."""
+    return 32 if suite in HELDOUT else 128
+
+
 def load_suite(name_or_path: str) -> list[Task]:
     if name_or_path == "coding10":
         return [Task(n, p) for n, p in CODING10]
-    if name_or_path == "heldout-code":
-        return load_jsonl_tasks(SUITES_DIR / "heldout_code.jsonl")
+    if name_or_path in HELDOUT:
+        return load_jsonl_tasks(SUITES_DIR / HELDOUT[name_or_path])
     path = Path(name_or_path)
     if not path.exists():
-        raise ValueError(f"--suite {name_or_path!r}: not coding10, heldout-code, or an existing JSONL file")
+        raise ValueError(f"--suite {name_or_path!r}: not coding10, {', '.join(HELDOUT)}, or an existing JSONL file")
     return load_jsonl_tasks(path)

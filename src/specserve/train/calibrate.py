@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.bench.suites import HELDOUT
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_model
 from specserve.speculative.dflash.checkpoint import read_dflash_config
@@ -69,7 +70,7 @@ class CalibrateConfig:
             raise ValueError(f"--grid must list temperatures > 0, got {list(self.grid)}")
         if self.seeds < 1:
             raise ValueError(f"--seeds must be at least 1, got {self.seeds}")
-        if self.suite in ("heldout-code", "coding10"):
+        if self.suite in (*HELDOUT, "coding10"):
             raise ValueError(f"--suite {self.suite}: calibrate on training-split prompts, not an evaluation suite")
 
     @property
