@@ -165,6 +165,22 @@ def test_continuation_prompts_are_mid_file_training_code_not_evaluation() -> Non
     gone = frozenset(c.source for c in cuts[:5])
     other = build_continuations(40, seed=1, exclude=gone)
     assert len(other) == 40 and not gone & {c.source for c in other}
+    assert all(c.prompt.endswith("\n") for c in cuts)  # the default: after a newline, as before
+
+
+def test_continuation_prompts_at_every_cut_kind() -> None:
+    """--cut-kinds: the contexts end, in turn, after a newline, at a line's end and inside a line (the kinds of
+    `bench/cuts.py`), at the lines the default cuts after a newline."""
+    kinds = ("after_newline", "line_end", "mid_line")
+    mixed = build_continuations(60, cut_kinds=kinds)
+    assert len(mixed) == 60 and mixed == build_continuations(60, cut_kinds=kinds)
+    assert all(sum(c.kind == k for c in mixed) >= 10 for k in kinds)  # kinds rotate over the cuts
+    for c in mixed:
+        assert c.prompt.endswith("\n") == (c.kind == "after_newline")
+        line = c.prompt.rsplit("\n", 1)[-1]
+        assert c.kind == "after_newline" or line.strip()  # code before a cut inside or at the end of a line
+    with pytest.raises(ValueError, match="--cut-kinds middle"):
+        build_continuations(10, cut_kinds=("middle",))
 
 
 KILL_AT_STEP_5 = """
@@ -253,11 +269,20 @@ def test_eagle3_run_with_evaluation_exports_and_round_trips(data_dir: Path, tiny
     ref = tmp_path / "ref"
     init_random_eagle3(load_config(tiny_dir), ref, seed=9)
     a = _parse("eagle3", "--target", str(tiny_dir), "--data", str(data_dir), "--out", str(tmp_path / "run"),
-               "--steps", "2", "--eval-every", "2", "--eval-prompts", "2", "--eval-max-new-tokens", "8",
+               "--steps", "2", "--eval-every", "1", "--eval-prompts", "3", "--eval-max-new-tokens", "8",
                "--reference-draft", str(ref), *SMALL, *EAGLE)
     trainer, summary = run_training("eagle3", a)
-    assert {"accept_length", "percent_of_reference", "loop_4gram"} <= summary["last_eval"].keys()
+    assert {"accept_length", "percent_of_reference", "loop_4gram", "score"} <= summary["last_eval"].keys()
     assert summary["last_eval"]["accept_length"] >= 1.0
+    # the validation cuts of every kind; the best evaluation's drafter kept in out/best/ (chosen by its score)
+    assert set(summary["last_eval"]["by_kind"]) == {"line_end", "after_newline", "mid_line"}
+    evals = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert [e["step"] for e in evals] == [1, 2]
+    best = max(evals, key=lambda e: (e["eval"]["score"], -e["step"]))
+    kept = json.loads((tmp_path / "run" / "best" / "eval.json").read_text())
+    assert kept["step"] == best["step"] == summary["best_eval"]["step"] == evals[-1]["best_step"]
+    assert kept["score"] == best["eval"]["score"] and (tmp_path / "run" / "best" / "model.safetensors").exists()
     assert set(summary["time_share"]) == {"target", "drafter_fwd", "drafter_bwd"}
     trained = trainer.objective.drafter.eval()
     tcfg = load_config(tiny_dir)
@@ -324,3 +349,31 @@ def test_train_target_init_from_keeps_the_checkpoint_and_logs_the_loop_measure(
     assert cli_main([*args[:2], str(tmp_path / "missing"), *args[3:]]) != 0
     err = "".join(capsys.readouterr())
     assert "--init-from" in err and "no config.json" in err
+
+
+def test_training_evaluation_measures_the_served_accept_length(tiny_dir: Path, tmp_path: Path) -> None:
+    """The figure training logs and chooses checkpoints by is the engine's own accept length on those prompts:
+    it equals what `LLM.generate` (the serving engine) measures, prompt by prompt, greedy."""
+    from specserve.config import SpeculativeConfig
+    from specserve.engine.llm import LLM
+    from specserve.train.evaluate import AcceptanceEvaluator, EvalConfig
+    from specserve.train.val_cuts import validation_cuts
+
+    drafter = tmp_path / "eagle"
+    init_random_eagle3(load_config(tiny_dir), drafter, seed=2)
+    target, _, _ = load_model(str(tiny_dir), CPU, torch.float32)
+    assert isinstance(target, CausalLM)
+    cfg = EvalConfig(num_prompts=6, max_new_tokens=12, eagle_steps=3)
+    evaluator = AcceptanceEvaluator("eagle3", target, tiny_dir, cfg)
+    measured = evaluator.measure(drafter)
+    tasks = validation_cuts(6)
+    assert [r["kind"] for r in measured.rows] == [t.kind for t in tasks] == ["line_end", "after_newline",
+                                                                            "mid_line"] * 2
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=True,
+              speculative=SpeculativeConfig.resolve("EAGLE3", str(drafter), num_steps=3, eagle_topk=1))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    served = [llm.generate([ids], params)[0] for ids in evaluator.prompts]
+    assert [r["accept_length"] for r in measured.rows] == [r.accept_length for r in served]
+    assert measured.verify_steps == sum(len(r.accept_lengths) for r in served)
+    figures = evaluator(drafter)
+    assert figures["score"] == figures["headline_accept_length"] == min(figures["by_kind"].values())

@@ -142,9 +142,12 @@ def _common_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--init-from", default=None, help="start from this drafter directory instead of random weights")
-    p.add_argument("--eval-every", type=int, default=0, help="acceptance evaluation every N steps (0 = off)")
-    p.add_argument("--eval-suite", default="heldout-code", help="coding10 | heldout-code | FILE.jsonl")
-    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="acceptance evaluation every N steps (0 = off); the best one's drafter is kept in --out/best/")
+    p.add_argument("--eval-suite", default="stdlib-val",
+                   help="stdlib-val (the standard library's validation split cut at every kind of point) | coding10 "
+                        "| heldout-code | FILE.jsonl; choosing a checkpoint on heldout-code spends the held-out suite")
+    p.add_argument("--eval-prompts", type=int, default=12)
     p.add_argument("--eval-max-new-tokens", type=int, default=32)
     p.add_argument("--reference-draft", default=None, help="a drafter to compare with at each evaluation")
 

@@ -9,9 +9,10 @@ An opening is what the evaluation's coding prompts look like: a `def`/`class` he
 hash, so the set is reproducible for a given interpreter. Nothing comes from the evaluation suites:
 openings that share text with `coding10` or `heldout-code` are dropped.
 
-`--kind continuations` cuts what the `heldout-code` suite looks like instead: the last ~1200 characters
-before a line in a file's middle third, starting at a line boundary (several cuts per file, from the same
-training split), so a drafter can also learn the target's continuations of code in mid-file.
+`--kind continuations` cuts mid-file contexts instead: the last ~1200 characters up to a line in a file's middle
+third, starting at a line boundary (several cuts per file, from the same training split), so a drafter can also
+learn the target's continuations of code in mid-file. They end after the line's newline, or, with
+`--cut-kinds after_newline,line_end,mid_line`, at each kind of point served prompts end at (`bench/cuts.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.bench.cuts import CUT_KINDS, code_lines, cut_at, cuttable
 from specserve.bench.suites import Task, load_suite
 from specserve.train import corpus
 
@@ -36,6 +38,7 @@ MIN_CHARS, MAX_CHARS = 40, 600
 class Opening:
     prompt: str
     source: str  # "relative/path.py:LINE"
+    kind: str | None = None  # continuations: where the context was cut (`bench/cuts.py`)
 
 
 def _openings_of(text: str, rel: str) -> list[Opening]:
@@ -77,7 +80,7 @@ def _clashes(prompt: str, evaluation: list[str]) -> bool:
 
 
 def evaluation_texts() -> list[str]:
-    tasks: list[Task] = load_suite("coding10") + load_suite("heldout-code")
+    tasks: list[Task] = load_suite("coding10") + load_suite("heldout-code") + load_suite("heldout-pip")
     texts = [t.prompt for t in tasks if t.prompt]
     texts += [str(m.get("content", "")) for t in tasks for m in (t.messages or [])]
     return [t for t in texts if t.strip()]
@@ -108,12 +111,16 @@ def _training_files() -> list[tuple[Path, str]]:
 
 
 def build_continuations(count: int, context_chars: int = 1200, seed: int = 0,
-                        exclude: frozenset[str] = frozenset()) -> list[Opening]:
-    """`count` mid-file contexts (as `scripts/make_heldout_suite.py` cuts them) from the training split, spread
-    over files round-robin; reproducible for a given interpreter and seed. Cuts whose source ("file:line") is
-    in `exclude` are left out (to make a set disjoint from an earlier one)."""
+                        exclude: frozenset[str] = frozenset(),
+                        cut_kinds: tuple[str, ...] = ("after_newline",)) -> list[Opening]:
+    """`count` mid-file contexts from the training split, spread over files round-robin; reproducible for a given
+    interpreter and seed. Each cut ends at one of `cut_kinds` (`bench/cuts.py`), rotating: after a newline only, or
+    also at a line's end and inside a line, as served prompts end. Cuts whose source ("file:line") is in
+    `exclude` are left out (to make a set disjoint from an earlier one)."""
     if count < 1:
         raise ValueError(f"--count must be at least 1, got {count}")
+    if not cut_kinds or set(cut_kinds) - set(CUT_KINDS):
+        raise ValueError(f"--cut-kinds {','.join(cut_kinds)}: give some of {', '.join(CUT_KINDS)}")
     evaluation = evaluation_texts()
     rng = random.Random(seed)
     pools: list[list[Opening]] = []
@@ -122,16 +129,17 @@ def build_continuations(count: int, context_chars: int = 1200, seed: int = 0,
         if text is None or len(text) < 4 * context_chars:
             continue
         lines = text.splitlines(keepends=True)
-        candidates = [i for i in range(len(lines) // 3, 2 * len(lines) // 3)
-                      if lines[i].strip() and not lines[i].lstrip().startswith("#")]
+        candidates = code_lines(lines)
         rng.shuffle(candidates)
         cuts = []
-        for i in candidates[:8]:
-            ctx = "".join(lines[: i + 1])[-context_chars:]
-            ctx = ctx[ctx.find("\n") + 1:]
+        for n, i in enumerate(candidates[:8]):
+            kind = cut_kinds[(n + len(pools)) % len(cut_kinds)]  # in turn within a file and across files
+            if not cuttable(lines[i], kind):
+                continue
+            ctx = cut_at(lines, i, kind, rng, None, context_chars).prompt
             source = f"{rel}:{i + 1}"
             if len(ctx) >= MIN_CHARS and source not in exclude and not _clashes(ctx, evaluation):
-                cuts.append(Opening(ctx, source))
+                cuts.append(Opening(ctx, source, kind))
         if cuts:
             pools.append(cuts)
     rng.shuffle(pools)
@@ -148,7 +156,8 @@ def write_jsonl(openings: list[Opening], out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w") as fh:
         for o in openings:
-            fh.write(json.dumps({"prompt": o.prompt, "source": o.source}) + "\n")
+            fh.write(json.dumps({"prompt": o.prompt, "source": o.source, **({"kind": o.kind} if o.kind else {})})
+                     + "\n")
     tmp.replace(out)
 
 
@@ -159,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=320)
     p.add_argument("--kind", choices=("openings", "continuations"), default="openings")
     p.add_argument("--seed", type=int, default=0, help="continuations: which cuts")
+    p.add_argument("--cut-kinds", default="after_newline",
+                   help=f"continuations: where contexts end, rotating (comma-separated: {', '.join(CUT_KINDS)})")
     p.add_argument("--exclude", type=Path, nargs="+", default=[],
                    help="continuations: leave out the cuts (same file:line) of these earlier prompts files")
     a = p.parse_args(argv)
@@ -166,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         openings = build_openings(a.count)
     else:
         exclude = frozenset(json.loads(line)["source"] for f in a.exclude for line in f.read_text().splitlines())
-        openings = build_continuations(a.count, seed=a.seed, exclude=exclude)
+        openings = build_continuations(a.count, seed=a.seed, exclude=exclude,
+                                       cut_kinds=tuple(k for k in a.cut_kinds.split(",") if k))
     write_jsonl(openings, a.out)
     print(json.dumps({"out": str(a.out), "prompts": len(openings), "chars": sum(len(o.prompt) for o in openings)}))
     return 0

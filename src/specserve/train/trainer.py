@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -128,7 +129,7 @@ TIMERS = ("target_s", "drafter_fwd_s", "drafter_bwd_s", "step_s")
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, objective: Objective, data: list[Example], ctx: DistContext,
-                 device: torch.device, evaluate: Callable[[Path], dict[str, float]] | None = None,
+                 device: torch.device, evaluate: Callable[[Path], dict[str, Any]] | None = None,
                  info: dict[str, Any] | None = None) -> None:
         self.cfg, self.objective, self.data, self.ctx, self.device = cfg, objective, data, ctx, device
         self.evaluate, self.info = evaluate, info or {}
@@ -143,7 +144,10 @@ class Trainer:
                                                                               cfg.min_lr_ratio))
         self.step, self.tokens_seen = 0, 0
         self.times = dict.fromkeys(TIMERS, 0.0)
-        self.last_eval: dict[str, float] = {}
+        self.last_eval: dict[str, Any] = {}
+        # the best evaluation so far ({"step", "score", "eval"}); its drafter is out/best/ (`_evaluate`)
+        self.best_path = cfg.out / "best" / "eval.json"
+        self.best: dict[str, Any] | None = None
         ckpt.seed_everything(cfg.seed + ctx.rank)  # a resume restores the saved states over these
         if ctx.main:
             cfg.out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +184,8 @@ class Trainer:
         ckpt.set_rng_state(st["rng"][self.ctx.rank])
         self.step, self.tokens_seen, self.times = st["step"], st["tokens_seen"], st["times"]
         self.last_eval = st.get("last_eval", {})
+        if self.best_path.exists():
+            self.best = json.loads(self.best_path.read_text())
         if self.ctx.main:
             ckpt.truncate_log(self.log_path, self.step)
 
@@ -255,7 +261,8 @@ class Trainer:
                 window.append(loss)
                 rate = (self.tokens_seen - start_tokens) / max(time.perf_counter() - started, 1e-9)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}",
+                                **({"acc": f"{self.last_eval['score']:.2f}"} if "score" in self.last_eval else {}))
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     final_loss = sum(window) / len(window)
                     if ctx.main:
@@ -277,15 +284,31 @@ class Trainer:
         return self._summary(final_loss, (self.tokens_seen - start_tokens) / max(time.perf_counter() - started, 1e-9))
 
     def _evaluate(self, bar: tqdm) -> None:
+        """Measure the drafter (`train/evaluate.py`); where its score beats every earlier one, it becomes
+        out/best/ (the checkpoint to export: chosen by acceptance, not by loss)."""
         if self.ctx.main:
             assert self.evaluate is not None
             with tempfile.TemporaryDirectory() as d:
                 self.objective.save_drafter(Path(d) / "drafter")
                 self.last_eval = self.evaluate(Path(d) / "drafter")
-            self._log({"step": self.step, "eval": self.last_eval})
+                score = self.last_eval.get("score", self.last_eval["accept_length"])
+                better = self.best is None or score > self.best["score"]
+                if better:
+                    self.best = {"step": self.step, "score": score, "eval": self.last_eval}
+                    record = json.dumps(self.best, indent=1) + "\n"
+
+                    def write(path: Path) -> None:
+                        shutil.copytree(Path(d) / "drafter", path)
+                        (path / "eval.json").write_text(record)
+
+                    ckpt.replace_dir(write, self.cfg.out / "best")
+            self._log({"step": self.step, "eval": self.last_eval, "best_step": self.best and self.best["step"]})
             ref = self.last_eval.get("percent_of_reference")
+            head = self.last_eval.get("headline_accept_length")
             bar.write(f"step {self.step}: accept length {self.last_eval['accept_length']:.3f}"
-                      + (f", {ref:.0f}% of the reference's streak" if ref is not None else ""))
+                      + (f", worst cut kind (non-looping) {head:.3f}" if head is not None else "")
+                      + (f", {ref:.0f}% of the reference's streak" if ref is not None else "")
+                      + (" (best so far: out/best/)" if better else ""))
         if self.ctx.world > 1:
             dist.barrier()
 
@@ -299,7 +322,7 @@ class Trainer:
             "precision": "bf16" if self.bf16 else "fp32", "device": str(self.device),
             "time_s": {k: round(v, 2) for k, v in self.times.items()},
             "time_share": {k.removesuffix("_s"): round(self.times[k] / total, 4) for k in TIMERS[:3]},
-            "last_eval": self.last_eval, "data": self.info, "out": str(self.cfg.out),
+            "last_eval": self.last_eval, "best_eval": self.best, "data": self.info, "out": str(self.cfg.out),
         }
         if self.ctx.main:
             (self.cfg.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,36 @@
+"""`stdlib-val`: the validation contexts training evaluates drafters on, cut at every kind of point.
+
+The files are the standard library's validation split (`corpus.is_validation`): the demo target never trained on
+them, nor do drafters' training prompts come from them, and unlike the `heldout-code` suite they may be used to
+choose a checkpoint without spending the held-out evaluation on it. Kinds alternate (`bench/cuts.py`), one cut per
+file, in an order fixed by the seed.
+"""
+
+from __future__ import annotations
+
+import random
+
+from specserve.bench.cuts import CUT_KINDS, cut_file
+from specserve.bench.suites import Task
+from specserve.train import corpus
+
+SUITE = "stdlib-val"
+
+
+def validation_cuts(count: int, seed: int = 0) -> list[Task]:
+    """`count` contexts from distinct validation files, kinds in turn (line_end, after_newline, mid_line, ...)."""
+    files = [f for f in corpus.stdlib_files() if corpus.is_validation(f)]
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    tasks: list[Task] = []
+    for f in files:
+        if len(tasks) == count:
+            break
+        text = corpus.read_text(f)
+        kind = CUT_KINDS[len(tasks) % len(CUT_KINDS)]
+        cut = cut_file(text, kind, rng) if text else None
+        if cut is not None:
+            tasks.append(Task(f"{f.parent.name}/{f.name}:{cut.line}:{kind}", cut.prompt, kind=kind))
+    if len(tasks) < count:
+        raise ValueError(f"--eval-prompts {count}: the validation split yields only {len(tasks)} contexts")
+    return tasks
