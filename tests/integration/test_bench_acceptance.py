@@ -49,6 +49,10 @@ def test_acceptance_on_a_custom_suite_with_a_reference(tmp_path: Path, tiny_dir:
     assert by_kind["tasks"] == 1 and by_kind["accept_length"] == report["tasks"][0]["accept_length"]
     assert s["headline_accept_length"] == by_kind["accept_length_nonlooping"]  # None where the task loops
     assert s["loop_threshold"] == 0.25
+    d = report["diagnosis"]  # greedy: where the drafter misses; the reference is the same drafter, so no difference
+    assert d["by_depth"] and all(0.0 <= x["rate"] <= 1.0 and x["depth"] <= 3 for x in d["by_depth"])
+    assert sum(c["reached"] for c in d["by_class"].values()) == sum(x["reached"] for x in d["by_depth"])
+    assert all(n == 0 for c in d["versus_reference"].values() for n in c.values())
     assert report["config"]["speculative"]["algorithm"] == "STANDALONE"
 
 

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.bench.by_kind import LOOP_THRESHOLD, kind_summary
+from specserve.bench.diagnose import diagnose, max_depth
 from specserve.bench.suites import Task
 from specserve.engine.llm import LLM
 from specserve.speculative.factory import DrafterBuilder
@@ -88,6 +89,8 @@ def run_acceptance(
     all_steps: list[int] = []
     tot = {"plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "draft_s": 0.0, "verify_s": 0.0}
     ref_steps: list[int] = []
+    runs: list[tuple[list[int], list[int]]] = []  # (output, accept lengths) per task, for the diagnosis
+    ref_runs: list[tuple[list[int], list[int]]] = []
     for task, ids in tqdm(list(zip(tasks, prompts, strict=True)), desc="acceptance", unit="task",
                           disable=not progress, file=sys.stderr):
         plain, t_plain = _timed(lambda ids=ids: llm.generate_plain([ids], params)[0])
@@ -96,9 +99,11 @@ def run_acceptance(
         if reference is not None:
             [ref] = llm.generate_with(reference, [ids], params)
             ref_steps.extend(ref.accept_lengths)
+            ref_runs.append((ref.token_ids, ref.accept_lengths))
             ref_len = ref.accept_length
             pct = 100.0 * spec.accept_length / ref_len if ref_len else None
         all_steps.extend(spec.accept_lengths)
+        runs.append((spec.token_ids, spec.accept_lengths))
         tot["plain_s"] += t_plain
         tot["spec_s"] += t_spec
         tot["plain_tokens"] += plain.num_tokens
@@ -139,7 +144,7 @@ def run_acceptance(
         ref_accept = sum(ref_steps) / len(ref_steps)
         summary["reference_accept_length"] = round(ref_accept, 4)
         summary["percent_of_reference"] = round(100 * accept / ref_accept, 2)
-    return {
+    report: dict[str, Any] = {
         "kind": "acceptance",
         "schema_version": 1,
         "config": {
@@ -150,3 +155,7 @@ def run_acceptance(
         "summary": summary,
         "tasks": [asdict(r) for r in results],
     }
+    if params.greedy:  # where the drafter (and the reference) miss: by depth and token class
+        cap = max_depth(llm.spec)
+        report["diagnosis"] = diagnose(runs, llm.tokenizer.decode, cap, ref_runs if reference is not None else None)
+    return report
