@@ -9,7 +9,7 @@ greedy decoding of 128 tokens per prompt with compiled decode steps (`engine/com
 `--config` drafter at batch 1. The compiled engines are built and warmed (every bucket the runs meet compiled)
 before the first round; their compile seconds are reported. Outputs of the two arms are compared token for token.
 Prints one JSON object: ms per token, tok/s, ratios compiled / eager and to the floor, batch-16 aggregate over
-batch 1.
+batch 1. `--device cuda` runs the same on a GPU (`benchmarks/gpu.sh`).
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
     """Median ms of one row through every projection and the LM head (F.linear, the stored layouts)."""
     # at one row every product reads `weight` (the head's column-major copy serves 4-63 rows only)
     ws = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in ws}
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
+    sync = torch.cuda.synchronize if ws[0].is_cuda else (lambda: None)
     times = []
     with torch.inference_mode():
         for i in range(reps + 20):
+            sync()
             t0 = time.perf_counter()
             for w in ws:
                 F.linear(xs[w.shape[1]], w)
+            sync()
             if i >= 20:
                 times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--config", action="append", default=[], help="a drafter at batch 1, e.g. 'NGRAM' (repeatable)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (compiled steps through inductor on either)")
     a = ap.parse_args()
     params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
     runs: list[dict[str, Any]] = []
@@ -69,7 +73,7 @@ def main() -> None:
         for work in ["plain", *a.config]:
             spec = None if work == "plain" else parse_config(work, a.model)
             for mode in ("compiled", "eager"):
-                llm = LLM(a.model, device="cpu", dtype=dtype, speculative=spec,
+                llm = LLM(a.model, device=a.device, dtype=dtype, speculative=spec,
                           engine_config=EngineConfig(kv_cache_gb=0.25, enforce_eager=mode == "eager"))
                 t0 = time.perf_counter()  # warm-up: compiles every bucket the runs meet
                 llm.generate(PROMPTS, SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True))
@@ -115,7 +119,8 @@ def main() -> None:
                      "batch16_over_batch1": {m: round(by["plain c=16"]["tok_s"][m] / by["plain c=1"]["tok_s"][m], 2)
                                              for m in ("compiled", "eager")},
                      "results": rows})
-    print(json.dumps({"benchmark": "decode_step", "model": a.model, "command_line": sys.argv, "rounds": a.rounds,
+    print(json.dumps({"benchmark": "decode_step", "model": a.model, "device": a.device,
+                      "command_line": sys.argv, "rounds": a.rounds,
                       "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
                       "runs": runs}, indent=2))
 
