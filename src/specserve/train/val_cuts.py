@@ -2,8 +2,8 @@
 
 The files are the standard library's validation split (`corpus.is_validation`): the demo target never trained on
 them, nor do drafters' training prompts come from them, and unlike the `heldout-code` suite they may be used to
-choose a checkpoint without spending the held-out evaluation on it. Kinds alternate (`bench/cuts.py`), one cut per
-file, in an order fixed by the seed.
+choose a checkpoint without spending the held-out evaluation on it. Kinds alternate (`bench/cuts.py`), files in
+turn, in an order fixed by the seed.
 """
 
 from __future__ import annotations
@@ -15,22 +15,29 @@ from specserve.bench.suites import Task
 from specserve.train import corpus
 
 SUITE = "stdlib-val"
+MAX_ROUNDS = 8  # passes over the validation files
 
 
 def validation_cuts(count: int, seed: int = 0) -> list[Task]:
-    """`count` contexts from distinct validation files, kinds in turn (line_end, after_newline, mid_line, ...)."""
+    """`count` contexts from the validation files, kinds in turn (line_end, after_newline, mid_line, ...): one per
+    file, then a second round over the files, and so on (the split holds a few dozen files)."""
     files = [f for f in corpus.stdlib_files() if corpus.is_validation(f)]
     rng = random.Random(seed)
     rng.shuffle(files)
+    texts = {f: corpus.read_text(f) for f in files}
     tasks: list[Task] = []
-    for f in files:
-        if len(tasks) == count:
-            break
-        text = corpus.read_text(f)
-        kind = CUT_KINDS[len(tasks) % len(CUT_KINDS)]
-        cut = cut_file(text, kind, rng) if text else None
-        if cut is not None:
-            tasks.append(Task(f"{f.parent.name}/{f.name}:{cut.line}:{kind}", cut.prompt, kind=kind))
+    seen: set[str] = set()
+    for _ in range(MAX_ROUNDS):
+        for f in files:
+            if len(tasks) == count:
+                return tasks
+            kind = CUT_KINDS[len(tasks) % len(CUT_KINDS)]
+            text = texts[f]
+            cut = cut_file(text, kind, rng) if text else None
+            name = f"{f.parent.name}/{f.name}:{cut.line}:{kind}" if cut else ""
+            if cut is not None and name not in seen:
+                seen.add(name)
+                tasks.append(Task(name, cut.prompt, kind=kind))
     if len(tasks) < count:
         raise ValueError(f"--eval-prompts {count}: the validation split yields only {len(tasks)} contexts")
     return tasks
