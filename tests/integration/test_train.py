@@ -377,3 +377,8 @@ def test_training_evaluation_measures_the_served_accept_length(tiny_dir: Path, t
     assert measured.verify_steps == sum(len(r.accept_lengths) for r in served)
     figures = evaluator(drafter)
     assert figures["score"] == figures["headline_accept_length"] == min(figures["by_kind"].values())
+    from specserve.bench.suites import load_suite
+    from specserve.train.val_cuts import main as write_cuts
+
+    assert write_cuts(["--count", "6", "--out", str(tmp_path / "val.jsonl")]) == 0  # the same contexts, as a suite
+    assert load_suite(str(tmp_path / "val.jsonl")) == tasks

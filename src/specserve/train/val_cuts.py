@@ -41,3 +41,24 @@ def validation_cuts(count: int, seed: int = 0) -> list[Task]:
     if len(tasks) < count:
         raise ValueError(f"--eval-prompts {count}: the validation split yields only {len(tasks)} contexts")
     return tasks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the contexts as a suite file for `specserve bench acceptance --suite FILE`."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m specserve.train.val_cuts", description=__doc__)
+    p.add_argument("--count", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    tasks = validation_cuts(a.count, a.seed)
+    a.out.write_text("".join(json.dumps({"name": t.name, "prompt": t.prompt, "kind": t.kind}) + "\n" for t in tasks))
+    print(json.dumps({"out": str(a.out), "tasks": len(tasks)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
