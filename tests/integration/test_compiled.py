@@ -114,7 +114,7 @@ def test_a_step_that_fails_to_compile_runs_eager(tiny_dir: Path, monkeypatch: py
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     (steps,) = engines(llm)
     assert steps.buckets == [] and steps.hits == 0 and steps.misses > 0
-    assert "no C++ compiler found" in caplog.text and "run eager" in caplog.text
+    assert "no C++ compiler found" in caplog.text and "runs eager" in caplog.text
 
 
 def test_steps_of_other_engines_and_captures_stay_apart(tiny_dir: Path, tiny_draft_dir: Path) -> None:

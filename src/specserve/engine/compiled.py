@@ -13,25 +13,21 @@ tree, a larger batch) run eager, never fail. Measured gains and compile times: d
 
 from __future__ import annotations
 
-import logging
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.runner import Row, RowOutput, mask
 from specserve.kv.paged import PagedKVCache, PagedView
+from specserve.layers.compiled_fn import Compiled, CompiledFns, compile_named
 from specserve.models.llama import CausalLM
 
 #: padded batch sizes and tree widths (new tokens per row); a pass takes the smallest bucket that holds it
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
-Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Key = tuple["Bucket", tuple[int, ...]]
 
-log = logging.getLogger("specserve.engine")
 
 
 @dataclass(frozen=True)
@@ -57,9 +53,7 @@ class CompiledSteps:
         self.cache = cache
         self.max_batch = max_batch
         self.max_width = max_width
-        self._steps: dict[Key, Step] = {}
-        self._ran: set[Key] = set()  # steps that have run once (compiled)
-        self._failed: set[Key] = set()  # steps whose compile failed: their passes run eager
+        self._steps: CompiledFns[Key] = CompiledFns()  # by (bucket, captured layers); their compiled and failed keys
         self.hits = 0  # passes run compiled
         self.misses = 0  # decode passes outside every bucket (run eager)
         model.rotary.reserve(model.config.max_position_embeddings, cache.device)
@@ -67,7 +61,7 @@ class CompiledSteps:
     @property
     def buckets(self) -> list[str]:
         """The buckets compiled so far ("BxQ"), for /server_info."""
-        return sorted({str(b) for b, _ in self._ran}, key=lambda s: tuple(int(x) for x in s.split("x")))
+        return sorted({str(b) for b, _ in self._steps.ran}, key=lambda s: tuple(int(x) for x in s.split("x")))
 
     def bucket(self, rows: list[Row]) -> Bucket | None:
         """The bucket a pass of these rows runs in, or None (eager)."""
@@ -99,7 +93,7 @@ class CompiledSteps:
     @torch.inference_mode()
     def forward(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
         bucket = self.bucket(rows)
-        out = None if bucket is None or (bucket, capture) in self._failed else self._run(bucket, rows, capture)
+        out = None if bucket is None or (bucket, capture) in self._steps.failed else self._run(bucket, rows, capture)
         if out is None:
             self.misses += 1
         else:
@@ -121,21 +115,14 @@ class CompiledSteps:
         m = mask(rows + pad, qs, cs, q, k_len).to(dev)  # [B, 1, Q, K]
         torch._dynamo.mark_dynamic(read, 1)
         torch._dynamo.mark_dynamic(m, 3)
-        key = (bucket, capture)
-        step = self._steps.get(key) or self._steps.setdefault(key, self._compile(bucket, capture))
-        try:
-            logits, captured = step(ids, pos, write, read, m)  # [B, Q, V], [B, Q, n*H]
-        except Exception as e:  # the first call compiles: whatever inductor raises there leaves the bucket eager
-            if key in self._ran:
-                raise
-            log.warning("compiling the %s decode step failed; its passes run eager (%s: %s)", bucket,
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            self._failed.add(key)
+        out = self._steps.call((bucket, capture), lambda: self._compile(bucket, capture), f"the {bucket} decode step",
+                               ids, pos, write, read, m)
+        if out is None:
             return None
-        self._ran.add(key)
+        logits, captured = out  # [B, Q, V], [B, Q, n*H]
         return [RowOutput(logits[i, :r.q], captured[i, :r.q] if capture else None) for i, r in enumerate(rows)]
 
-    def _compile(self, bucket: Bucket, capture: tuple[int, ...]) -> Step:
+    def _compile(self, bucket: Bucket, capture: tuple[int, ...]) -> Compiled:
         model, cache = self.model, self.cache
 
         def step(ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
@@ -145,10 +132,5 @@ class CompiledSteps:
             feats = torch.cat(out.captured, dim=-1) if capture else out.logits.new_zeros(0)
             return out.logits, feats
 
-        # A code object of its own per engine and bucket: dynamo keeps (and checks the guards of) compiled entries
-        # per code object. Static but for the dims marked dynamic: with automatic dynamic shapes, another step of the
-        # same name (dynamo keys that state by name and line) would turn this one's ints symbolic.
         layers = "_".join(str(i) for i in capture)
-        code = step.__code__.replace(co_name=f"step_{bucket.batch}x{bucket.width}_{layers}_{id(self):x}")
-        fresh = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-        return torch.compile(fresh, fullgraph=True, dynamic=False, options={"freezing": True})
+        return compile_named(step, f"step_{bucket.batch}x{bucket.width}_{layers}_{id(self):x}")

@@ -13,8 +13,6 @@ rounds, trees and batched chains stay eager (`eagle3/drafter.py`).
 
 from __future__ import annotations
 
-import logging
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,13 +20,11 @@ import torch
 
 from specserve.kv.contiguous import ContiguousKVCache
 from specserve.kv.view import KVView
+from specserve.layers.compiled_fn import Compiled, CompiledFns, compile_named
 from specserve.speculative.eagle3.model import Eagle3Model
 
 PAD = 8  # pending pairs a compiled round commits (more: the round runs eager)
 
-log = logging.getLogger("specserve.engine")
-
-Round = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,9 +49,7 @@ class CompiledChains:
     def __init__(self, model: Eagle3Model, embed: Callable[[torch.Tensor], torch.Tensor], max_steps: int) -> None:
         """`embed`: token ids -> embeddings in the drafter's dtype (its own table or the target's)."""
         self.model, self.embed, self.max_steps = model, embed, max_steps
-        self._rounds: dict[int, Round] = {}
-        self._ran: set[int] = set()
-        self._failed: set[int] = set()
+        self._rounds: CompiledFns[int] = CompiledFns()  # by chain length
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         model.rotary.reserve(model.config.layer.max_position_embeddings, self.device)
@@ -63,10 +57,10 @@ class CompiledChains:
     @property
     def graphs(self) -> list[str]:
         """The chain lengths compiled so far, as /server_info reports them."""
-        return [f"eagle3-chain-{s}" for s in sorted(self._ran)]
+        return [f"eagle3-chain-{s}" for s in sorted(self._rounds.ran)]
 
     def holds(self, steps: int, pending: int) -> bool:
-        return 1 <= steps <= self.max_steps and 1 <= pending <= PAD and steps not in self._failed
+        return 1 <= steps <= self.max_steps and 1 <= pending <= PAD and steps not in self._rounds.failed
 
     @staticmethod
     def slots_needed(start: int, steps: int) -> int:
@@ -99,20 +93,10 @@ class CompiledChains:
         torch._dynamo.mark_dynamic(read, 0)
         torch._dynamo.mark_dynamic(k, 2)
         torch._dynamo.mark_dynamic(v, 2)
-        fn = self._rounds.get(steps) or self._rounds.setdefault(steps, self._compile(steps))
-        try:
-            drafts = fn(ids, feats, counts, read, k, v)  # [S]
-        except Exception as e:  # the first call compiles: whatever inductor raises there leaves the round eager
-            if steps in self._ran:
-                raise
-            log.warning("compiling the EAGLE-3 %d-step chain failed; it runs eager (%s: %s)", steps,
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            self._failed.add(steps)
-            return None
-        self._ran.add(steps)
-        return drafts
+        return self._rounds.call(steps, lambda: self._compile(steps), f"the EAGLE-3 {steps}-step chain",
+                                 ids, feats, counts, read, k, v)  # [S]
 
-    def _compile(self, steps: int) -> Round:
+    def _compile(self, steps: int) -> Compiled:
         model, embed = self.model, self.embed
 
         def chain_round(ids: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor, read: torch.Tensor,
@@ -136,9 +120,4 @@ class CompiledChains:
                 feat = model(embed(tok), feat, slot[None], SlotView(k, v, slot, k_len, step_mask))
             return torch.cat(drafts)
 
-        # a code object of its own per model and length: dynamo keys compiled entries (and automatic-dynamic state)
-        # by code object and name (as `engine/compiled.py`)
-        code = chain_round.__code__.replace(co_name=f"eagle3_chain_{steps}_{id(self):x}")
-        fresh = types.FunctionType(code, chain_round.__globals__, code.co_name, chain_round.__defaults__,
-                                   chain_round.__closure__)
-        return torch.compile(fresh, fullgraph=True, dynamic=False, options={"freezing": True})
+        return compile_named(chain_round, f"eagle3_chain_{steps}_{id(self):x}")
