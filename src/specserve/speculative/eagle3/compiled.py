@@ -52,7 +52,8 @@ class CompiledChains:
         self._rounds: CompiledFns[int] = CompiledFns()  # by chain length
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
-        model.rotary.reserve(model.config.layer.max_position_embeddings, self.device)
+        # the padded commit and the draft steps reach PAD + max_steps positions past the last real one
+        model.rotary.reserve(model.config.layer.max_position_embeddings + PAD + max_steps, self.device)
 
     @property
     def graphs(self) -> list[str]:
