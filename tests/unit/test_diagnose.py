@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from specserve.bench.diagnose import diagnose, max_depth, token_class, token_outcomes
 from specserve.config import SpeculativeConfig
 
@@ -49,5 +47,22 @@ def test_report_by_depth_class_and_against_a_reference() -> None:
     assert v["whitespace"] == {"ours_missed_reference_accepted": 1, "ours_accepted_reference_missed": 0}
     assert v["identifier"] == {"ours_missed_reference_accepted": 0, "ours_accepted_reference_missed": 0}
     assert v["punctuation"] == {"ours_missed_reference_accepted": 0, "ours_accepted_reference_missed": 1}
-    with pytest.raises(ValueError, match="differs from ours"):
-        diagnose(ours, decode, 4, reference=[([1, 2], [1])])
+    assert r["skipped_mismatched"] == 0
+
+
+def test_a_reference_with_another_output_is_skipped_not_fatal() -> None:
+    vocab = {1: "x", 2: " =", 3: " 1", 4: "\n", 5: " y"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    ids, other = [1, 2, 3, 4, 5, 2], [1, 2, 3, 5, 5, 2]
+    ours = [(ids, [3, 1, 2]), (ids, [2, 2, 2])]
+    ref = [(other, [6]), (ids, [1, 1, 1, 1, 1])]  # the first task's reference decoded another token
+    r = diagnose(ours, decode, depth_cap=4, reference=ref)
+    assert r["skipped_mismatched"] == 1
+    assert r["by_depth"] == diagnose(ours, decode, depth_cap=4)["by_depth"]  # our figures cover both tasks
+    v = r["versus_reference"]  # the second task only: ours accepted " =", "\n", " =" at depth 1, the reference none
+    assert v["punctuation"] == {"ours_missed_reference_accepted": 0, "ours_accepted_reference_missed": 2}
+    assert v["whitespace"] == {"ours_missed_reference_accepted": 0, "ours_accepted_reference_missed": 1}
+    assert v["identifier"] == {"ours_missed_reference_accepted": 0, "ours_accepted_reference_missed": 0}

@@ -8,7 +8,9 @@ round may be cut by the length limit. Token classes: identifier (letters, digits
 whitespace (spaces, indents, newlines), punctuation (everything else: operators, brackets, quotes).
 
 With a reference drafter on the same greedy continuation (same tokens), the report also counts, class by class,
-the tokens one drafter accepted and the other missed: where ours falls short.
+the tokens one drafter accepted and the other missed: where ours falls short. A task whose reference output
+differs (bf16 or GPU kernels can flip a greedy choice) has no token-by-token comparison: it is left out of
+that count and counted in `skipped_mismatched`; our own figures still cover every task.
 """
 
 from __future__ import annotations
@@ -58,20 +60,22 @@ def diagnose(runs: Sequence[tuple[list[int], Sequence[int]]], decode: Callable[[
              reference: Sequence[tuple[list[int], Sequence[int]]] | None = None,
              reference_depth_cap: int | None = None) -> dict[str, Any]:
     """runs: (output token ids, accept lengths) per task -> acceptance by depth and by token class (and, with
-    `reference` runs of the same tasks and tokens, the classes of the tokens each accepted and the other missed)."""
+    `reference` runs of the same tasks, the classes of the tokens each accepted and the other missed, over the
+    tasks where both outputs agree)."""
     depth: dict[int, list[int]] = {}  # depth -> [reached, accepted]
     by_class = {c: [0, 0] for c in CLASSES}
     misses = dict.fromkeys(CLASSES, 0)
     versus = {c: {"ours_missed_reference_accepted": 0, "ours_accepted_reference_missed": 0} for c in CLASSES}
+    mismatched = 0
     for i, (ids, steps) in enumerate(runs):
         ours = token_outcomes(len(ids), steps, depth_cap)
         theirs = None
         if reference is not None:
             ref_ids, ref_steps = reference[i]
-            if ref_ids != ids:
-                raise ValueError(f"task {i}: the reference's greedy output differs from ours; compare greedy runs "
-                                 "of one target")
-            theirs = token_outcomes(len(ids), ref_steps, reference_depth_cap or depth_cap)
+            if ref_ids == ids:
+                theirs = token_outcomes(len(ids), ref_steps, reference_depth_cap or depth_cap)
+            else:
+                mismatched += 1
         for j, o in enumerate(ours):
             cls = token_class(decode([ids[j]]))
             if o is not None:
@@ -99,4 +103,5 @@ def diagnose(runs: Sequence[tuple[list[int], Sequence[int]]], decode: Callable[[
     }
     if reference is not None:
         report["versus_reference"] = versus
+        report["skipped_mismatched"] = mismatched
     return report
