@@ -53,6 +53,19 @@ def test_cut_errors_and_files_without_a_fitting_line() -> None:
     assert cut_file("x\n" * 30, "mid_line", random.Random(0)) is None  # no line with code either side
 
 
+@pytest.mark.parametrize("kind", CUT_KINDS)
+def test_lines_longer_than_the_context_are_not_cut(kind: str) -> None:
+    long = "    table = [" + ", ".join(str(n) for n in range(40)) + "]\n"  # 150 characters
+    short = "    value = compute(alpha, beta)\n"
+    text = "".join(long if i % 2 else short for i in range(90))
+    rng = random.Random(0)
+    for _ in range(30):
+        cut = cut_file(text, kind, rng, context_chars=100)
+        assert cut is not None and text.splitlines(keepends=True)[cut.line - 1] == short
+        assert cut.prompt.strip() and short.startswith(cut.prompt)  # the line before is too long to hold
+    assert cut_file(long * 90, kind, rng, context_chars=100) is None
+
+
 def row(kind: str | None, accept: float, steps: int, loop: float | None) -> dict[str, object]:
     return {"kind": kind, "accept_length": accept, "verify_steps": steps, "loop_4gram": loop}
 

@@ -41,15 +41,17 @@ def cut_file(text: str, kind: str, rng: random.Random, context_lines: int | None
     if kind not in CUT_KINDS:
         raise ValueError(f"cut kind {kind!r}: one of {', '.join(CUT_KINDS)}")
     lines = text.splitlines(keepends=True)
-    candidates = [i for i in code_lines(lines, lo, hi) if cuttable(lines[i], kind)]
+    candidates = [i for i in code_lines(lines, lo, hi) if cuttable(lines[i], kind, context_chars)]
     if not candidates:
         return None
     return cut_at(lines, rng.choice(candidates), kind, rng, context_lines, context_chars)
 
 
-def cuttable(line: str, kind: str) -> bool:
-    """Whether `line` can be cut at `kind` (inside a line: two characters of code after its indentation)."""
-    return kind != "mid_line" or len(line.strip()) >= 2
+def cuttable(line: str, kind: str, context_chars: int) -> bool:
+    """Whether `line` can be cut at `kind` (inside a line: two characters of code after its indentation) in a
+    context of `context_chars`: the line, its newline included, must be shorter, else the context would begin
+    inside it or, after a newline, hold nothing."""
+    return len(line) < context_chars and (kind != "mid_line" or len(line.strip()) >= 2)
 
 
 def cut_at(lines: list[str], i: int, kind: str, rng: random.Random, context_lines: int | None = 24,

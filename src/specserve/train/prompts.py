@@ -134,7 +134,7 @@ def build_continuations(count: int, context_chars: int = 1200, seed: int = 0,
         cuts = []
         for n, i in enumerate(candidates[:8]):
             kind = cut_kinds[(n + len(pools)) % len(cut_kinds)]  # in turn within a file and across files
-            if not cuttable(lines[i], kind):
+            if not cuttable(lines[i], kind, context_chars):
                 continue
             ctx = cut_at(lines, i, kind, rng, None, context_chars).prompt
             source = f"{rel}:{i + 1}"
