@@ -94,6 +94,13 @@ def test_kind_summary_without_kinds_or_step_counts() -> None:
     assert all_loop["headline_accept_length"] is None  # a kind with no calm task has no figure to compare
 
 
+def test_pooled_accept_weights_by_steps_and_ignores_rows_without_any() -> None:
+    rows = [row(None, 2.0, 10, None), row(None, 5.0, 30, None)]
+    assert pooled_accept(rows) == (20 + 150) / 40
+    assert pooled_accept([*rows, row(None, 9.0, 0, None), {"accept_length": 9.0, "verify_steps": None}]) == 4.25
+    assert pooled_accept([row(None, 2.0, 0, None), {"accept_length": 5.0, "verify_steps": None}]) == 3.5
+
+
 def test_bundled_heldout_suite_is_balanced_over_packages_and_kinds() -> None:
     tasks = load_suite("heldout-code")
     kinds = Counter(t.kind for t in tasks)

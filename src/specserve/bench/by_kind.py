@@ -14,12 +14,14 @@ LOOP_THRESHOLD = 0.25  # repeated 4-gram fraction of the plain output above whic
 
 
 def pooled_accept(rows: list[dict[str, Any]]) -> float | None:
-    """Accept length over the rows' verify steps (each row's mean weighted by its steps; unweighted where a
-    server gave no step counts); None for no rows."""
+    """Accepted tokens over verify steps, pooled across the rows (each row's mean weighted by its steps; a row
+    without steps adds nothing); the unweighted mean where no row counts steps (a server that gives a mean
+    only); None for no rows."""
     if not rows:
         return None
-    if all(r.get("verify_steps") for r in rows):
-        return sum(r["accept_length"] * r["verify_steps"] for r in rows) / sum(r["verify_steps"] for r in rows)
+    counted = [r for r in rows if r.get("verify_steps")]
+    if counted:
+        return sum(r["accept_length"] * r["verify_steps"] for r in counted) / sum(r["verify_steps"] for r in counted)
     return sum(r["accept_length"] for r in rows) / len(rows)
 
 
