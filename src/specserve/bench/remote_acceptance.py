@@ -26,7 +26,7 @@ import httpx
 from tqdm import tqdm
 
 from specserve.bench.acceptance import repeated_ngram_fraction
-from specserve.bench.by_kind import LOOP_THRESHOLD, kind_summary
+from specserve.bench.by_kind import LOOP_THRESHOLD, kind_summary, pooled_accept
 from specserve.bench.server_probe import (
     accept_length_from_metrics,
     accepted_per_position_from_metrics,
@@ -165,9 +165,10 @@ def _task_entry(task: Task, f: Figures, tok: Tokenizer | None, ref: Figures | No
 
 
 def _pooled(figs: list[Figures]) -> float:
-    if all(f.verify_steps for f in figs):
-        return sum(f.accept_length * (f.verify_steps or 0) for f in figs) / sum(f.verify_steps or 0 for f in figs)
-    return sum(f.accept_length for f in figs) / len(figs)
+    """The tasks' accept length pooled over their verify steps (`by_kind.pooled_accept`)."""
+    pooled = pooled_accept([{"accept_length": f.accept_length, "verify_steps": f.verify_steps} for f in figs])
+    assert pooled is not None  # a suite holds at least one task (`suites.load_suite`)
+    return pooled
 
 
 def run_remote_acceptance(tasks: list[Task], cfg: RemoteConfig, reference: RemoteConfig | None = None,
