@@ -85,13 +85,24 @@ def test_kind_summary_leaves_looping_tasks_out_and_takes_the_worst_kind() -> Non
 
 
 def test_kind_summary_without_kinds_or_step_counts() -> None:
-    s = kind_summary([row(None, 2.0, 0, None), row(None, 4.0, 0, 0.9)])
-    assert "by_kind" not in s and s["nonlooping_tasks"] == 1  # no loop measure: counted as not looping
-    assert s["headline_accept_length"] == s["accept_length_nonlooping"] == 2.0
+    s = kind_summary([row(None, 2.0, 0, None), row(None, 4.0, 0, 0.9), row(None, 3.0, 0, 0.1)])
+    assert "by_kind" not in s and s["nonlooping_tasks"] == 1  # no loop measure: not known to be calm
+    assert s["headline_accept_length"] == s["accept_length_nonlooping"] == 3.0
     assert pooled_accept([]) is None
     all_loop = kind_summary([row("mid_line", 5.0, 3, 0.9), row("line_end", 2.0, 3, 0.0)])
     assert all_loop["by_kind"]["mid_line"]["accept_length_nonlooping"] is None
     assert all_loop["headline_accept_length"] is None  # a kind with no calm task has no figure to compare
+
+
+def test_without_loop_measures_there_is_no_nonlooping_figure() -> None:
+    rows = [row("line_end", 2.0, 10, None), row("mid_line", 3.0, 10, None)]  # through a server, no tokenizer
+    s = kind_summary(rows)
+    assert s["nonlooping_tasks"] == 0 and s["accept_length_nonlooping"] is None
+    assert s["by_kind"]["line_end"] == {"tasks": 1, "nonlooping_tasks": 0, "accept_length": 2.0,
+                                        "accept_length_nonlooping": None, "loop_4gram": None}
+    assert s["headline_accept_length"] is None
+    s = kind_summary([row(None, 2.0, 10, None)])
+    assert s["accept_length_nonlooping"] is None and s["headline_accept_length"] is None
 
 
 def test_pooled_accept_weights_by_steps_and_ignores_rows_without_any() -> None:

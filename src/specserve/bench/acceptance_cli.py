@@ -39,7 +39,9 @@ def add_acceptance_parser(subparsers: Any) -> None:
     r.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' to both servers")
     r.add_argument("--source", default="auto", choices=("auto", "response", "metrics"),
                    help="per-request figures from the response's meta_info, or /metrics deltas (auto: the first)")
-    r.add_argument("--tokenizer", default=None, help="for the loop measure (default: the served model's, if local)")
+    r.add_argument("--tokenizer", default=None,
+                   help="for the loop measure, which the non-looping figures need (default: the served model's, if "
+                        "local)")
     p.set_defaults(func=cmd_acceptance)
 
 

@@ -2,8 +2,10 @@
 
 Small targets loop under greedy decoding and a loop is easy to draft, so a suite's mean flatters every drafter;
 tasks whose plain continuation repeats more than `threshold` of its 4-grams are left out of the `nonlooping`
-figures. The headline is the minimum over cut kinds of the non-looping accept length: a drafter is as good as
-the kind of request it serves worst. Rows are the report's task entries (offline or through a server).
+figures, and so are tasks without a loop measure (through a server without a tokenizer): where no task has one,
+those figures and the headline are None. The headline is the minimum over cut kinds of the non-looping accept
+length: a drafter is as good as the kind of request it serves worst. Rows are the report's task entries
+(offline or through a server).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ def pooled_accept(rows: list[dict[str, Any]]) -> float | None:
     return sum(r["accept_length"] for r in rows) / len(rows)
 
 
-def looping(row: dict[str, Any], threshold: float) -> bool:
-    return row.get("loop_4gram") is not None and row["loop_4gram"] > threshold
+def nonlooping(row: dict[str, Any], threshold: float) -> bool:
+    """Whether the row is measured not to loop (without a loop measure it is not known to)."""
+    return row.get("loop_4gram") is not None and row["loop_4gram"] <= threshold
 
 
 def _group(rows: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
-    calm = [r for r in rows if not looping(r, threshold)]
+    calm = [r for r in rows if nonlooping(r, threshold)]
     loops = [r["loop_4gram"] for r in rows if r.get("loop_4gram") is not None]
     acc, calm_acc = pooled_accept(rows), pooled_accept(calm)
     return {

@@ -12,7 +12,7 @@ Its figures, first found wins (`--source auto`):
             sglang:spec_accept_length gauge (no verify-step count: the task's mean is the gauge).
 A task's accept length pools its verify steps; the summary pools all tasks' steps, as the offline report does.
 The loop measure needs token ids: they come from the tokenizer of `--tokenizer` (or of the served model when
-it is `demo` or a local directory), else it is null.
+it is `demo` or a local directory), else it is null, and so are the non-looping figures and the headline.
 """
 
 from __future__ import annotations
