@@ -3,7 +3,8 @@
 The files are the standard library's validation split (`corpus.is_validation`): the demo target never trained on
 them, nor do drafters' training prompts come from them, and unlike the `heldout-code` suite they may be used to
 choose a checkpoint without spending the held-out evaluation on it. Kinds alternate (`bench/cuts.py`), files in
-turn, in an order fixed by the seed.
+turn, in an order fixed by the seed; each round over the files starts one kind further than the one before, so
+that over rounds a file is cut at every kind, whatever the number of files.
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ MAX_ROUNDS = 8  # passes over the validation files
 
 def validation_cuts(count: int, seed: int = 0) -> list[Task]:
     """`count` contexts from the validation files, kinds in turn (line_end, after_newline, mid_line, ...): one per
-    file, then a second round over the files, and so on (the split holds a few dozen files)."""
+    file, then a second round over the files, and so on (the split holds a few dozen files). Round r's first
+    context takes kind r % 3, so a file's kind moves on from round to round."""
     files = [f for f in corpus.stdlib_files() if corpus.is_validation(f)]
     rng = random.Random(seed)
     rng.shuffle(files)
     texts = {f: corpus.read_text(f) for f in files}
     tasks: list[Task] = []
     seen: set[str] = set()
-    for _ in range(MAX_ROUNDS):
+    for r in range(MAX_ROUNDS):
+        first = len(tasks)
         for f in files:
             if len(tasks) == count:
                 return tasks
-            kind = CUT_KINDS[len(tasks) % len(CUT_KINDS)]
+            kind = CUT_KINDS[(len(tasks) - first + r) % len(CUT_KINDS)]
             text = texts[f]
             cut = cut_file(text, kind, rng) if text else None
             name = f"{f.parent.name}/{f.name}:{cut.line}:{kind}" if cut else ""
