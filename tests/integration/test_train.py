@@ -351,6 +351,30 @@ def test_train_target_init_from_keeps_the_checkpoint_and_logs_the_loop_measure(
     assert "--init-from" in err and "no config.json" in err
 
 
+def test_train_target_logs_the_loop_measure_at_every_evaluation(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluations between checkpoints measure loops too, on the weights of their own step."""
+    from specserve.train import corpus, target
+
+    files = [p for p in corpus.stdlib_files() if p.name in ("textwrap.py", "shlex.py", "base64.py")]
+    monkeypatch.setattr(corpus, "stdlib_files", lambda: files)
+    monkeypatch.setattr(corpus, "is_validation", lambda p, fraction=0.02: p.name == "base64.py")
+    measure, measured = target.loop_measure, []
+
+    def short_measure(checkpoint: Path) -> float:
+        measured.append(checkpoint)
+        return measure(checkpoint, max_new_tokens=8)
+
+    monkeypatch.setattr(target, "loop_measure", short_measure)
+    out, work = tmp_path / "target", tmp_path / "work"
+    cfg = target.TargetTrainConfig(out=out, work=work, init_from=tiny_dir, max_steps=4, warmup_steps=1, lr=1e-12,
+                                   seq_len=32, batch_size=2, eval_batches=1, eval_every=2, save_every=4)
+    target.train(cfg)
+    log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "loop_greedy" in e] == [e["step"] for e in log if "val_loss" in e] == [2, 4]
+    assert measured == [work / "loop-eval", out]  # step 2: no checkpoint of its own, so a directory to decode from
+
+
 def test_training_evaluation_measures_the_served_accept_length(tiny_dir: Path, tmp_path: Path) -> None:
     """The figure training logs and chooses checkpoints by is the engine's own accept length on those prompts:
     it equals what `LLM.generate` (the serving engine) measures, prompt by prompt, greedy."""

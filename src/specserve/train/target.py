@@ -192,6 +192,14 @@ def loop_measure(checkpoint: Path, max_new_tokens: int = 128) -> float:
 def save_checkpoint(model: CausalLM, mcfg: ModelConfig, raw_cfg: dict[str, Any], tok_path: Path, out: Path,
                     state: dict[str, Any]) -> None:
     """HF directory (bf16 weights, tokenizer, config) + training state for --resume."""
+    save_hf_dir(model, mcfg, raw_cfg, tok_path, out)
+    tmp = out / "train_state.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(out.parent / f"{out.name}.train_state.pt")
+
+
+def save_hf_dir(model: CausalLM, mcfg: ModelConfig, raw_cfg: dict[str, Any], tok_path: Path, out: Path) -> None:
+    """The model as a Hugging Face directory the engine loads: bf16 weights, tokenizer, configs."""
     from specserve.tokenizer import Tokenizer  # noqa: F401 - documents the files written here
 
     out.mkdir(parents=True, exist_ok=True)
@@ -207,9 +215,6 @@ def save_checkpoint(model: CausalLM, mcfg: ModelConfig, raw_cfg: dict[str, Any],
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": raw_cfg["eos_token_id"], "eos_token_id": raw_cfg["eos_token_id"], "do_sample": False},
         indent=2) + "\n")
-    tmp = out / "train_state.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(out.parent / f"{out.name}.train_state.pt")
 
 
 def train(cfg: TargetTrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -266,17 +271,22 @@ def train(cfg: TargetTrainConfig, resume: bool = False) -> dict[str, Any]:
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}")
         last = {"step": step, "loss": loss.item(), "lr": lr_at(step - 1, cfg), "tokens_seen": tokens_seen,
                 "elapsed_s": round(elapsed, 1)}
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+        evaluating = step % cfg.eval_every == 0 or step == cfg.max_steps
+        saving = step % cfg.save_every == 0 or step == cfg.max_steps
+        if evaluating:
             last["val_loss"] = evaluate(model, val_ids, cfg)
             best = min(best, last["val_loss"])
-        if step % cfg.save_every == 0 or step == cfg.max_steps:
+        if saving:
             save_checkpoint(model, mcfg, raw, tok_path, cfg.out, {
                 "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
                 "step": step, "tokens_seen": tokens_seen, "config": {k: str(v) for k, v in asdict(cfg).items()},
             })
-            if cfg.loop_eval and "val_loss" in last:
-                last["loop_greedy"] = loop_measure(cfg.out)
-                bar.write(f"step {step}: val_loss {last['val_loss']:.3f}, loop measure {last['loop_greedy']:.2f}")
+        if evaluating and cfg.loop_eval:  # greedy decoding by the engine, from the weights of this step
+            probe = cfg.out if saving else cfg.work / "loop-eval"
+            if not saving:
+                save_hf_dir(model, mcfg, raw, tok_path, probe)
+            last["loop_greedy"] = loop_measure(probe)
+            bar.write(f"step {step}: val_loss {last['val_loss']:.3f}, loop measure {last['loop_greedy']:.2f}")
         with log_path.open("a") as fh:
             fh.write(json.dumps(last) + "\n")
     bar.close()
