@@ -1,4 +1,4 @@
-"""`specserve bench serving`, `compare`, `tune` and `trace`.
+"""`specserve bench serving`, `compare`, `tune`, `trace` and `peers`.
 
 The main CLI wires these in with `add_bench_parsers(bench_subparsers)`; every parser sets
 `func`, a handler taking the parsed namespace and returning the exit code.
@@ -14,16 +14,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specserve.bench.peers_cli import add_peers_parser
 from specserve.bench.serving_cli import add_serving_parser, cmd_serving, concurrency_list
 from specserve.bench.trace import add_trace_parser
 from specserve.bench.tune import add_engine_args, cmd_tune
 
 
 def add_bench_parsers(subparsers: Any) -> None:
-    """Adds `serving`, `compare`, `tune` and `trace` to the `specserve bench` subparsers (an argparse
+    """Adds `serving`, `compare`, `tune`, `trace` and `peers` to the `specserve bench` subparsers (an argparse
     _SubParsersAction)."""
     add_serving_parser(subparsers)
     add_trace_parser(subparsers)
+    add_peers_parser(subparsers)
 
     c = subparsers.add_parser("compare", help="markdown tables and a plot from serving/acceptance run JSONs")
     c.add_argument("runs", nargs="+", type=Path, help="run JSONs; the first is the baseline")

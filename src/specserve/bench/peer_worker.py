@@ -1,0 +1,145 @@
+"""One in-process peer (specserve compiled or eager, or transformers) on one dtype and thread count, in a process of
+its own: `specserve bench peers` starts one per cell, so each keeps its thread count and compiled graphs while the
+runs of all peers interleave.
+
+    python -m specserve.bench.peer_worker --system specserve --model demo --dtype float32 --threads 2
+
+Protocol (JSON lines): the worker prints {"ready": true, "load_s"} once loaded; then for each request line
+{"method": "plain" | "ngram" | "floor", "prompts": [[ids]], "batch": B, "new_tokens": N} it prints {"seconds",
+"outputs": [[ids]], "accept_length"} (plain and ngram: greedy, EOS ignored, the prompts in batches of B, one after
+another) or {"floor_ms"} (the matmul floor of one decode step). Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SYSTEMS = ("specserve", "specserve-eager", "transformers")
+
+# (prompts' ids, new tokens) -> (outputs' ids, accept length per verify step over all prompts; empty when plain)
+Decode = Callable[[list[list[int]], int], tuple[list[list[int]], list[int]]]
+
+
+def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
+    """Median ms of one row through every projection and the LM head (`F.linear` on the stored layouts): what a
+    decode step at batch 1 costs with no overhead and these kernels."""
+    ws = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
+    sync = torch.cuda.synchronize if ws[0].is_cuda else (lambda: None)
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 20):
+            sync()
+            t0 = time.perf_counter()
+            for w in ws:
+                F.linear(xs[w.shape[1]], w)
+            sync()
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def specserve_methods(model: str, dtype: str, eager: bool) -> tuple[dict[str, Decode], nn.Module]:
+    from specserve.config import SpeculativeConfig
+    from specserve.engine.llm import LLM
+    from specserve.speculative.factory import DrafterBuilder, plan_drafter
+    from specserve.types import SamplingParams
+
+    llm = LLM(model, device="cpu", dtype=dtype, enforce_eager=eager)
+    ngram = DrafterBuilder(plan_drafter(SpeculativeConfig.resolve("NGRAM"), llm.config), llm.model, llm.device,
+                           llm.dtype)
+
+    def plain(ids: list[list[int]], n: int) -> tuple[list[list[int]], list[int]]:
+        outs = llm.generate_plain(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        return [o.token_ids for o in outs], []
+
+    def speculative(ids: list[list[int]], n: int) -> tuple[list[list[int]], list[int]]:
+        outs = llm.generate_with(ngram, ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        return [o.token_ids for o in outs], [a for o in outs for a in o.accept_lengths]
+
+    return {"plain": plain, "ngram": speculative}, llm.model
+
+
+def transformers_methods(model: str, dtype: str) -> tuple[dict[str, Decode], nn.Module]:
+    import transformers
+
+    from specserve.models.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    target: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    pad = target.generation_config.eos_token_id
+    pad = (pad[0] if isinstance(pad, list) else pad) or 0
+
+    def run(ids: list[list[int]], n: int, **extra: Any) -> tuple[list[list[int]], list[int]]:
+        width = max(len(x) for x in ids)  # left-padded batch
+        x = torch.tensor([[pad] * (width - len(p)) + p for p in ids])  # [B, T]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])  # [B, T]
+        # EOS ignored as ignore_eos does in specserve: no token is -1, so nothing stops (min_new_tokens would mask EOS)
+        gen = copy.deepcopy(target.generation_config)
+        gen.update(do_sample=False, max_new_tokens=n, eos_token_id=[-1], pad_token_id=pad, **extra)
+        with torch.inference_mode():
+            out = target.generate(x, attention_mask=mask, generation_config=gen)  # [B, T + n]
+        return out[:, width:].tolist(), []
+
+    def lookup(ids: list[list[int]], n: int) -> tuple[list[list[int]], list[int]]:
+        outs = [run([p], n, prompt_lookup_num_tokens=10)[0][0] for p in ids]  # one prompt at a time
+        return outs, []
+
+    return {"plain": run, "ngram": lookup}, target
+
+
+def serve(methods: dict[str, Decode], model: nn.Module, lines: Any, write: Callable[[str], None]) -> None:
+    """Answer request lines until stdin closes."""
+    for line in lines:
+        req = json.loads(line)
+        if req["method"] == "floor":
+            write(json.dumps({"floor_ms": matmul_floor_ms(model)}))
+            continue
+        decode, prompts, batch = methods[req["method"]], req["prompts"], int(req["batch"])
+        outs, accepts, seconds = [], [], 0.0
+        for i in range(0, len(prompts), batch):
+            t0 = time.perf_counter()
+            o, a = decode(prompts[i:i + batch], int(req["new_tokens"]))
+            seconds += time.perf_counter() - t0
+            outs += o
+            accepts += a
+        write(json.dumps({"seconds": seconds, "outputs": outs,
+                          "accept_length": sum(accepts) / len(accepts) if accepts else None}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specserve.bench.peer_worker")
+    ap.add_argument("--system", required=True, choices=SYSTEMS)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    if a.system == "transformers":
+        methods, model = transformers_methods(a.model, a.dtype)
+    else:
+        methods, model = specserve_methods(a.model, a.dtype, eager=a.system == "specserve-eager")
+
+    def write(text: str) -> None:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0}))
+    serve(methods, model, sys.stdin, write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
