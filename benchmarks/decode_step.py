@@ -23,10 +23,9 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from speculative import parse_config  # benchmarks/speculative.py (this script's folder is on sys.path)
-from torch import nn
 
+from specserve.bench.peer_worker import matmul_floor_ms
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.types import SamplingParams
@@ -36,24 +35,6 @@ PROMPTS = ["def fizzbuzz(n):", "class Stack:", "import os\n", "def merge_sort(it
            "def bfs(graph, start):", "def main():", "class Parser:", "def tokenize(text):", "TIMEOUT = 30\n",
            "def send(sock, data):", "class Tree:"]
 
-
-def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
-    """Median ms of one row through every projection and the LM head (F.linear, the stored layouts)."""
-    # at one row every product reads `weight` (the head's column-major copy serves 4-63 rows only)
-    ws = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
-    sync = torch.cuda.synchronize if ws[0].is_cuda else (lambda: None)
-    times = []
-    with torch.inference_mode():
-        for i in range(reps + 20):
-            sync()
-            t0 = time.perf_counter()
-            for w in ws:
-                F.linear(xs[w.shape[1]], w)
-            sync()
-            if i >= 20:
-                times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
