@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 
 from specserve.bench.cli import main as bench_main
-from specserve.bench.peers import PeersConfig, Row, agreement, markdown, merge, plot, summarize, token_pieces
+from specserve.bench.peers import (
+    PeersConfig,
+    Row,
+    agreement,
+    markdown,
+    matrix,
+    merge,
+    plot,
+    summarize,
+    token_pieces,
+)
 
 
 def test_token_pieces_follow_the_decoded_text() -> None:
@@ -59,6 +69,9 @@ def test_summary_ratios_are_per_round_and_agreement_is_against_the_reference() -
     table = markdown(list(summary.values()), {"float32/t2": 1.0})
     assert "| 1 | float32 | 2 | llama.cpp | plain | 350 (300-400) | 2.50x |" in table
     assert "float32/t2 1.0 (1000 tok/s)" in table
+    grid = matrix(list(summary.values())).splitlines()
+    assert grid[0] == "| peer | method | batch 1, f32, 2 thr |"
+    assert grid[2:] == ["| llama.cpp | plain | 350 |", "| specserve | plain | 150 |", "| specserve | ngram | 150 (2.00) |"]
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

@@ -313,6 +313,26 @@ def markdown(summary: list[dict[str, Any]], floors: dict[str, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def matrix(summary: list[dict[str, Any]]) -> str:
+    """The summary as one table: a row per peer and method, a column per cell, median tok/s (accept length)."""
+    cells = sorted({(r["batch"], r["dtype"], r["threads"]) for r in summary},
+                   key=lambda c: (c[0], c[1] != "float32", c[2]))
+    series = sorted({(r["peer"], r["method"]) for r in summary},
+                    key=lambda s: (s[1] != "plain", s[1] != "bench", PEERS.index(s[0])))
+    by = {(r["peer"], r["method"], r["batch"], r["dtype"], r["threads"]): r for r in summary}
+    head = [f"batch {b}, {'f32' if d == 'float32' else 'bf16'}, {t} thr" for b, d, t in cells]
+    lines = ["| peer | method | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(cells)]
+    for peer, method in series:
+        vals = []
+        for cell in cells:
+            r = by.get((peer, method, *cell))
+            acc = f" ({r['accept_length']:.2f})" if r and r["accept_length"] is not None else ""
+            vals.append(f"{r['tok_s']:.0f}{acc}" if r else "")
+        name = "llama-bench, empty context" if method == "bench" else method
+        lines.append(f"| {peer} | {name} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: list[dict[str, Any]], path: Path) -> None:
     """Grouped bars: tok/s of each peer's plain decoding per cell, the speculative ones hatched beside."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -373,6 +393,6 @@ def run(cfg: PeersConfig, out_dir: Path, progress: bool = True) -> dict[str, Any
                        for r in rows]}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "peers.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "peers.md").write_text(markdown(summary, floors))
+    (out_dir / "peers.md").write_text(matrix(summary) + "\n" + markdown(summary, floors))
     plot(summary, out_dir / "peers.png")
     return report
