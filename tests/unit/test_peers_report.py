@@ -71,7 +71,8 @@ def test_summary_ratios_are_per_round_and_agreement_is_against_the_reference() -
     assert "float32/t2 1.0 (1000 tok/s)" in table
     grid = matrix(list(summary.values())).splitlines()
     assert grid[0] == "| peer | method | batch 1, f32, 2 thr |"
-    assert grid[2:] == ["| llama.cpp | plain | 350 |", "| specserve | plain | 150 |", "| specserve | ngram | 150 (2.00) |"]
+    assert grid[2:] == ["| llama.cpp | plain | 350 |", "| specserve | plain | 150 |",
+                        "| specserve | ngram | 150 (2.00) |"]
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
