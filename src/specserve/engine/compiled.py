@@ -5,12 +5,10 @@ tokens) runs padded up to a bucket through a `torch.compile`d forward (inductor;
 B plain decodes (B <= `max_batch`) as B x 1, or one row's draft tree of Q <= `max_width` tokens as 1 x Q. Batched
 trees stay eager: they run packed (`engine/runner.py`), multiplying their real tokens only, where a B x Q grid
 padded to the widest tree multiplied up to twice as many rows and ran slower than eager.
-Padding tokens write to the cache's scratch slot and see key 0 only; padding keys point at scratch and are masked.
-The attention mask is built inside the graph from each row's lengths and tree (`device_mask`, equal to
-`runner.mask`), not on the host at every step. The keys' length K (context + new tokens) is the graph's one
-dynamic dimension, so a bucket compiles once however long its rows' contexts grow. Passes outside every bucket
-(prefill chunks, a wider tree, a larger batch) run eager, never fail. Measured gains and compile times:
-docs/benchmarks.md.
+Padding tokens write to the cache's scratch slot and see key 0 only; padding keys point at scratch and are masked
+(`runner.mask`). The keys' length K (context + new tokens) is the graph's one dynamic dimension, so a
+bucket compiles once however long its rows' contexts grow. Passes outside every bucket (prefill chunks, a wider
+tree, a larger batch) run eager, never fail. Measured gains and compile times: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.runner import Row, RowOutput
+from specserve.engine.runner import Row, RowOutput, mask
 from specserve.kv.paged import PagedKVCache, PagedView
 from specserve.layers.compiled_fn import Compiled, CompiledFns, compile_named
 from specserve.models.llama import CausalLM
@@ -30,22 +28,6 @@ WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 Key = tuple["Bucket", tuple[int, ...]]
 
-
-def device_mask(lens: torch.Tensor, tree: torch.Tensor, k_len: int) -> torch.Tensor:
-    """`runner.mask` from tensors, so it runs inside the compiled graph: lens [B, 2] long (each row's context c and
-    new tokens n), tree [B, Q, Q] bool (ancestors among the new tokens; lower-triangular for chains and plain
-    decodes) -> [B, 1, Q, K] bool: the context's keys and the tree's new ones for a row's real queries; key 0 alone
-    for padding queries (a row of no keys would make attention NaN)."""
-    b, q = tree.shape[0], tree.shape[1]
-    c = lens[:, 0].view(b, 1, 1)
-    n = lens[:, 1].view(b, 1, 1)
-    qi = torch.arange(q, device=tree.device).view(1, q, 1)
-    kj = torch.arange(k_len, device=tree.device).view(1, 1, k_len)
-    local = kj - c  # [B, 1, K] key's index among the row's new tokens
-    new = (local >= 0) & (local < n)
-    ancestor = tree.gather(2, local.clamp(0, q - 1).expand(b, q, k_len))  # [B, Q, K]
-    real = qi < n  # [B, Q, 1]
-    return ((real & ((kj < c) | (new & ancestor))) | (~real & (kj == 0)))[:, None]
 
 
 @dataclass(frozen=True)
@@ -72,7 +54,6 @@ class CompiledSteps:
         self.max_batch = max_batch
         self.max_width = max_width
         self._steps: CompiledFns[Key] = CompiledFns()  # by (bucket, captured layers); their compiled and failed keys
-        self._causal: dict[int, torch.Tensor] = {}  # [1, Q, Q] lower-triangular, by width bucket
         self.hits = 0  # passes run compiled
         self.misses = 0  # decode passes outside every bucket (run eager)
         model.rotary.reserve(model.config.max_position_embeddings, cache.device)
@@ -131,35 +112,21 @@ class CompiledSteps:
         write = torch.tensor([s for r in rows + pad for s in r.write_slots + [scratch] * (q - r.q)], device=dev)
         read = torch.tensor([r.context + r.write_slots + [scratch] * (k_len - c - n)
                              for r, c, n in zip(rows + pad, cs, qs, strict=True)], device=dev)  # [B, K]
-        lens = torch.tensor([cs, qs], device=dev).T  # [B, 2]
-        tree = self._tree(rows, b, q)  # [B, Q, Q]
+        m = mask(rows + pad, qs, cs, q, k_len).to(dev)  # [B, 1, Q, K]
         torch._dynamo.mark_dynamic(read, 1)
+        torch._dynamo.mark_dynamic(m, 3)
         out = self._steps.call((bucket, capture), lambda: self._compile(bucket, capture), f"the {bucket} decode step",
-                               ids, pos, write, read, lens, tree)
+                               ids, pos, write, read, m)
         if out is None:
             return None
         logits, captured = out  # [B, Q, V], [B, Q, n*H]
         return [RowOutput(logits[i, :r.q], captured[i, :r.q] if capture else None) for i, r in enumerate(rows)]
 
-    def _tree(self, rows: list[Row], b: int, q: int) -> torch.Tensor:
-        """[B, Q, Q] bool: lower-triangular (plain decodes, chains), a tree row's ancestor mask in its corner."""
-        causal = self._causal.get(q)
-        if causal is None:
-            causal = self._causal[q] = torch.ones(1, q, q, dtype=torch.bool, device=self.cache.device).tril()
-        trees = [(i, r.tree_mask) for i, r in enumerate(rows) if r.tree_mask is not None]
-        if not trees:
-            return causal.expand(b, q, q)
-        out = causal.repeat(b, 1, 1)
-        for i, t in trees:
-            out[i, :t.shape[0], :t.shape[1]] = t
-        return out
-
     def _compile(self, bucket: Bucket, capture: tuple[int, ...]) -> Compiled:
         model, cache = self.model, self.cache
 
         def step(ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
-                 lens: torch.Tensor, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            m = device_mask(lens, tree, read.shape[1])  # [B, 1, Q, K]
+                 m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out = model(ids, pos, PagedView(cache, write, read, m), capture=capture)
             assert out.logits is not None
             feats = torch.cat(out.captured, dim=-1) if capture else out.logits.new_zeros(0)
