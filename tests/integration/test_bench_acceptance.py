@@ -92,3 +92,25 @@ def test_acceptance_over_seeds(tmp_path: Path, tiny_dir: Path, capsys: pytest.Ca
 def test_seed_summary() -> None:
     s = seed_summary([2.0, 3.0, 4.0], 0)
     assert (s["mean"], s["sd"], s["se"]) == (3.0, 1.0, round(1 / 3**0.5, 4)) and s["seeds"] == [0, 1, 2]
+
+
+
+def test_the_warm_up_decodes_the_longest_prompt_at_the_full_length(tiny_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """So every offline engine is built (its KV pool sized for the longest task) and every chain length compiled
+    before the timed tasks: a task that rebuilt an engine would time its steps' compilation."""
+    from specserve.bench.acceptance import run_acceptance
+    from specserve.bench.suites import Task
+    from specserve.config import SpeculativeConfig
+    from specserve.engine.llm import LLM
+    from specserve.types import SamplingParams
+
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", speculative=SpeculativeConfig.resolve("NGRAM"))
+    calls: list[tuple[int, int]] = []  # (prompt tokens, new tokens) of each plain decode
+    plain = llm.generate_plain
+    monkeypatch.setattr(llm, "generate_plain",
+                        lambda ps, sp: calls.append((len(ps[0]), sp.max_new_tokens)) or plain(ps, sp))
+    tasks = [Task(f"t{n}", "x = 1\n" * n) for n in (1, 30, 10)]
+    run_acceptance(llm, tasks, SamplingParams(max_new_tokens=8), progress=False)
+    lengths = [len(llm.encode(t.prompt or "")) for t in tasks]
+    assert calls[0] == (max(lengths), 8) and [n for n, _ in calls[1:]] == lengths

@@ -79,12 +79,16 @@ def run_acceptance(
     if llm.drafter_builder is None:
         raise ValueError("acceptance evaluation needs --speculative-algorithm other than NONE")
     prompts = [task_prompt(llm, t) for t in tasks]
-    # warm-up: first calls pay one-time costs (allocations, RoPE tables) that are not decoding speed
-    warm = SamplingParams(max_new_tokens=4, temperature=params.temperature, seed=params.seed, ignore_eos=True)
-    llm.generate_plain([prompts[0]], warm)
-    llm.generate([prompts[0]], warm)
+    # warm-up: first calls pay one-time costs that are not decoding speed (allocations, RoPE tables, compiling
+    # the decode steps and every chain length a round drafts). The longest prompt at the full length sizes the
+    # offline engines' KV pools for every task, so no task rebuilds an engine (and recompiles its steps).
+    warm = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed,
+                          ignore_eos=True)
+    longest = max(prompts, key=len)
+    llm.generate_plain([longest], warm)
+    llm.generate([longest], warm)
     if reference is not None:
-        llm.generate_with(reference, [prompts[0]], warm)
+        llm.generate_with(reference, [longest], warm)
     results: list[TaskResult] = []
     all_steps: list[int] = []
     tot = {"plain_s": 0.0, "spec_s": 0.0, "plain_tokens": 0, "spec_tokens": 0, "draft_s": 0.0, "verify_s": 0.0}
