@@ -42,6 +42,7 @@ from specserve.types import SamplingParams
 
 VIEWS = (
     ("heldout-code, greedy, 32 tokens (headline: worst cut kind, non-looping tasks)", "heldout-code", 0.0, 32),
+    ("heldout-code, temperature 0.7, 32 tokens", "heldout-code", 0.7, 32),
     ("heldout-pip, greedy, 32 tokens (cuts after a newline only)", "heldout-pip", 0.0, 32),
     ("coding10, temperature 0.7, 128 tokens", "coding10", 0.7, 128),
     ("coding10, greedy, 128 tokens (loops inflate it)", "coding10", 0.0, 128),
@@ -85,6 +86,9 @@ PROMPT_SETS = {  # how each bundled-corpus prompts file was cut (python -m specs
     "cont_prompts3.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
                            "--count 2500 --seed 2 --exclude runs/drafters/cont_prompts.jsonl "
                            "runs/drafters/cont_prompts2.jsonl`)",
+    "every_kind_prompts.jsonl": "mid-file code contexts cut at every kind of point (`python -m specserve.train.prompts "
+                                "--kind continuations --count 1280 --seed 23 --cut-kinds "
+                                "after_newline,line_end,mid_line`)",
     "cont_prompts4.jsonl": "further mid-file code contexts (`python -m specserve.train.prompts --kind continuations "
                            "--count 2500 --seed 4 --exclude runs/drafters/cont_prompts.jsonl "
                            "runs/drafters/cont_prompts2.jsonl runs/drafters/cont_prompts3.jsonl "
@@ -106,9 +110,10 @@ def data_line(data_dir: Path, meta: dict[str, Any]) -> str:
 
 def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[tuple[Path, dict[str, Any]]],
          rows: list[dict[str, Any]], spec: SpeculativeConfig, calibration: list[dict[str, Any]] | None = None,
-         calibration_prompts: str | None = None) -> str:
+         calibration_prompts: str | None = None, init_from: str | None = None) -> str:
     """stages: (run directory, its training command) in order; a later stage starts from the one before
-    (`--init-from`). data: (prepared directory, its meta.json) of every data set the stages used."""
+    (`--init-from`). data: (prepared directory, its meta.json) of every data set the stages used. init_from: what
+    the first stage started from, where that is an earlier drafter rather than random weights."""
     lines = [
         f"# demo-{kind}: {'EAGLE-3' if kind == 'eagle3' else 'DFlash'} drafter for the bundled demo target",
         "",
@@ -118,6 +123,7 @@ def card(kind: str, algorithm: str, stages: list[tuple[Path, str]], data: list[t
         "",
         "## Training",
         *[data_line(d, meta) for d, meta in data],
+        *([f"- Initialised from {init_from}."] if init_from else []),
     ]
     steps = tokens = 0
     for i, (run, cmd) in enumerate(stages, 1):
@@ -184,6 +190,9 @@ def main() -> None:
     ap.add_argument("--eagle3-command", action="append", default=None,
                     help="the training command of each --eagle3 run, in order (for the card)")
     ap.add_argument("--dflash-command", action="append", default=None)
+    ap.add_argument("--eagle3-init-from", default=None,
+                    help="for the card: what the first --eagle3 run's --init-from drafter is (how it was trained)")
+    ap.add_argument("--dflash-init-from", default=None)
     ap.add_argument("--dflash-calibrate-suite", default=None,
                     help="training-split prompts (JSONL) to pick the DFlash drafter's DDTree temperature on")
     ap.add_argument("--dflash-calibrate-temperature", type=float, default=None,
@@ -193,9 +202,9 @@ def main() -> None:
                     help="the command that wrote --dflash-calibrate-suite (for the card)")
     a = ap.parse_args()
     data = [(d, json.loads((d / "meta.json").read_text())) for d in a.data]
-    jobs = [("eagle3", "EAGLE3", a.eagle3, "sglang", a.eagle3_command),
-            ("dflash", "DFLASH", a.dflash, "dflash", a.dflash_command)]
-    for kind, algorithm, runs, fmt, cmds in jobs:
+    jobs = [("eagle3", "EAGLE3", a.eagle3, "sglang", a.eagle3_command, a.eagle3_init_from),
+            ("dflash", "DFLASH", a.dflash, "dflash", a.dflash_command, a.dflash_init_from)]
+    for kind, algorithm, runs, fmt, cmds, init_from in jobs:
         if a.only and a.only != kind:
             continue
         if cmds is None or len(cmds) != len(runs):
@@ -214,7 +223,7 @@ def main() -> None:
         rows = measure(algorithm, dest)
         spec = replace(resolve(algorithm, dest), draft_model_path=dest.name)  # the bundled name, not this path
         (dest / "MODEL_CARD.md").write_text(card(kind, algorithm, list(zip(runs, cmds, strict=True)), data, rows,
-                                                 spec, calibration, a.dflash_calibrate_prompts_command))
+                                                 spec, calibration, a.dflash_calibrate_prompts_command, init_from))
         readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
         readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))
         (dest / "acceptance.json").write_text(json.dumps({"views": rows, "calibration": calibration} if calibration
