@@ -61,7 +61,9 @@ def measure(algorithm: str, draft_dir: Path) -> list[dict[str, Any]]:
     llm = LLM("demo", speculative=resolve(algorithm, draft_dir))
     rows = []
     for label, suite, temperature, new in VIEWS:
-        params = SamplingParams(max_new_tokens=new, temperature=temperature, seed=0 if temperature else None)
+        # as `bench acceptance` decodes (the card's commands): EOS ignored, exactly `new` tokens
+        params = SamplingParams(max_new_tokens=new, temperature=temperature, seed=0 if temperature else None,
+                                ignore_eos=True)
         res = run_acceptance(llm, load_suite(suite), params)
         goal = GOALS[algorithm].get(suite if temperature == 0 and suite == "heldout-code" else f"{suite}@{temperature}")
         cmd = (f"specserve bench acceptance --model demo --speculative-algorithm {algorithm} --suite {suite} "
