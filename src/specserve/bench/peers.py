@@ -211,8 +211,8 @@ class Peers:
         if method == "plain":
             out, _ = self.llama.run("llama-bench", ["-m", gguf, "-p", "0", "-n", str(n), "-t", t, "-r", "3",
                                                     "-o", "json"], threads)
-            best = statistics.median(llama_cpp.parse_bench_json(out)[1:] or llama_cpp.parse_bench_json(out))
-            yield Row("llama.cpp", "bench", 1, dtype, threads, rnd, n, n / best)
+            samples = llama_cpp.parse_bench_json(out)  # tok/s per repetition; the first is a cold run
+            yield Row("llama.cpp", "bench", 1, dtype, threads, rnd, n, n / statistics.median(samples[1:] or samples))
 
     def reference_pieces(self) -> dict[tuple[int, str], list[list[str]]]:
         """Per (batch, dtype), specserve's eager greedy outputs (the first of --threads) as their tokens' texts."""
