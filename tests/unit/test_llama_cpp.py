@@ -95,10 +95,10 @@ def _tool(bin_dir: Path, name: str, script: str) -> None:
 def test_tools_run_and_fail_loudly(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _tool(bin_dir, "llama-tokenize", 'echo "[1, 2, $OMP_NUM_THREADS]"\n')
+    _tool(bin_dir, "llama-tokenize", 'for a; do [ "$a" = --no-escape ] && echo "[1, 2, $OMP_NUM_THREADS]"; done\n')
     _tool(bin_dir, "llama-bench", 'echo "model not found" >&2\nexit 3\n')
     llama = LlamaCpp(tmp_path, bin_dir)
-    assert llama_cpp.tokenize(llama, tmp_path / "m.gguf", "x") == [1, 2, 1]
+    assert llama_cpp.tokenize(llama, tmp_path / "m.gguf", "x") == [1, 2, 1]  # the text verbatim (--no-escape)
     with pytest.raises(LlamaCppError, match="llama-bench exited 3: model not found"):
         llama.run("llama-bench", [], threads=2)
     with pytest.raises(LlamaCppError, match="llama-lookup is missing"):

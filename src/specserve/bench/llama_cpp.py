@@ -25,6 +25,7 @@ SDIST_VERSION = "0.3.36"  # llama-cpp-python, whose vendor/llama.cpp is built
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-completion", "llama-lookup", "llama-speculative",
          "llama-tokenize")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+VERBATIM = ("--no-escape",)  # `-p` text as given: by default the tools turn a backslash and `n` into a newline
 
 # Run as `python -c CONVERT LLAMA_CPP_DIR PRE_TOKENIZER ARGS...`: the converter, with an unrecognised BPE
 # pre-tokenizer hash answered by PRE_TOKENIZER instead of an error.
@@ -140,7 +141,8 @@ def convert(llama: LlamaCpp, model_dir: Path, dtype: str, out: Path, pre_tokeniz
 
 
 def tokenize(llama: LlamaCpp, gguf: Path, text: str) -> list[int]:
-    stdout, _ = llama.run("llama-tokenize", ["-m", str(gguf), "-p", text, "--ids", "--log-disable"], threads=1)
+    stdout, _ = llama.run("llama-tokenize", ["-m", str(gguf), "-p", text, "--ids", "--log-disable", *VERBATIM],
+                          threads=1)
     return parse_token_ids(stdout)
 
 

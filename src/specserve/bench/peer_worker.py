@@ -76,6 +76,7 @@ def transformers_methods(model: str, dtype: str) -> tuple[dict[str, Decode], nn.
 
     from specserve.models.loader import resolve_model_path
 
+    transformers.logging.set_verbosity_error()  # it warns at every call that EOS -1 never stops generation
     path = resolve_model_path(model)
     target: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     pad = target.generation_config.eos_token_id

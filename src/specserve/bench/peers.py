@@ -182,7 +182,7 @@ class Peers:
     def _llama(self, method: str, batch: int, dtype: str, threads: int, rnd: int) -> Iterator[Row]:
         assert self.llama is not None
         gguf, n, t = str(self.gguf[dtype]), self.cfg.new_tokens, str(threads)
-        common = ["-m", gguf, "-t", t, "-c", "2048", "--temp", "0", "--ignore-eos", "-n", str(n)]
+        common = ["-m", gguf, "-t", t, "-c", "2048", "--temp", "0", "--ignore-eos", "-n", str(n), *llama_cpp.VERBATIM]
         if batch > 1:
             npp = round(statistics.mean(len(x) for x in self.batch_prompts(batch)))
             out, _ = self.llama.run("llama-batched-bench", ["-m", gguf, "-t", t, "-c", str(batch * (npp + n + 8)),
