@@ -22,8 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 SDIST_VERSION = "0.3.36"  # llama-cpp-python, whose vendor/llama.cpp is built
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-completion", "llama-lookup", "llama-speculative",
-         "llama-tokenize")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-completion", "llama-lookup", "llama-tokenize")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 VERBATIM = ("--no-escape",)  # `-p` text as given: by default the tools turn a backslash and `n` into a newline
 
@@ -180,8 +179,8 @@ _PERF = re.compile(r"common_perf_print:\s+(prompt eval|eval|total) time =\s+([\d
 
 
 def parse_perf(stderr: str) -> dict[str, tuple[float, int]]:
-    """`common_perf_print` lines of llama-completion / llama-speculative: {'prompt eval'|'eval'|'total':
-    (ms, count)}, the last print of each (llama-speculative prints the draft's first, the target's last)."""
+    """`common_perf_print` lines of llama-completion: {'prompt eval'|'eval'|'total': (ms, count)}, the last print
+    of each."""
     out = {m.group(1): (float(m.group(2)), int(m.group(3))) for m in _PERF.finditer(stderr)}
     if "total" not in out:
         raise LlamaCppError(f"no timing lines in the tool's log: {stderr[-500:]!r}")
@@ -193,7 +192,7 @@ _SECONDS = re.compile(r"\b(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds
 
 
 def parse_speculation(stderr: str) -> dict[str, Any]:
-    """llama-lookup / llama-speculative statistics: tokens predicted, drafted and accepted, the prompt (`encoded`)
+    """llama-lookup's statistics: tokens predicted, drafted and accepted, the prompt (`encoded`)
     and generation (`decoded`) seconds, and the accept length (tokens per target pass: every pass ends with one
     token that is not an accepted draft, so passes = n_predict - n_accept)."""
     stats = {k: int(v) for k, v in _STAT.findall(stderr)}

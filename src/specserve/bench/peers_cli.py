@@ -19,20 +19,23 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+D = PeersConfig()  # the flags' defaults are the config's
+
+
 def add_peers_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("peers", help="llama.cpp, transformers and specserve on the same prompts, interleaved")
-    p.add_argument("--model", default="demo", help="`demo` or a Hugging Face checkpoint directory")
+    p.add_argument("--model", default=D.model, help="`demo` or a Hugging Face checkpoint directory")
     p.add_argument("--dtype", action="append", default=None, help="float32 | bfloat16 (repeatable; default both)")
-    p.add_argument("--threads", type=_ints, default=(1, 2), help="thread counts, e.g. 1,2")
-    p.add_argument("--batch", type=_ints, default=(1, 16), help="batch sizes, e.g. 1,16")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
-    p.add_argument("--prompts", type=int, default=4, help="prompts decoded one by one at batch 1, per round")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=_ints, default=D.threads, help="thread counts, e.g. 1,2")
+    p.add_argument("--batch", type=_ints, default=D.batches, help="batch sizes, e.g. 1,16")
+    p.add_argument("--peers", default=",".join(D.peers), help=f"comma-separated subset of {','.join(PEERS)}")
+    p.add_argument("--prompts", type=int, default=D.prompts, help="prompts decoded one by one at batch 1, per round")
+    p.add_argument("--new-tokens", type=int, default=D.new_tokens)
+    p.add_argument("--rounds", type=int, default=D.rounds)
     p.add_argument("--no-speculative", action="store_true", help="plain decoding only (no n-gram arms at batch 1)")
-    p.add_argument("--lookup-draft", type=int, default=11, help="llama-lookup's --spec-draft-n-max")
-    p.add_argument("--suite", default="coding10", help="prompts: coding10 | heldout-code | FILE.jsonl")
-    p.add_argument("--work", type=Path, default=Path("runs/peers"),
+    p.add_argument("--lookup-draft", type=int, default=D.lookup_draft, help="llama-lookup's --spec-draft-n-max")
+    p.add_argument("--suite", default=D.suite, help="prompts: coding10 | heldout-code | FILE.jsonl")
+    p.add_argument("--work", type=Path, default=D.work,
                    help="llama.cpp's sources and build (from the llama-cpp-python sdist on PyPI) and the GGUFs")
     p.add_argument("--out-dir", type=Path, required=True, help="peers.json, peers.md and peers.png")
     p.add_argument("--no-progress", action="store_true")
@@ -44,7 +47,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
     from specserve.bench.peers import run
 
     try:
-        cfg = PeersConfig(model=args.model, dtypes=tuple(args.dtype or ("float32", "bfloat16")), threads=args.threads,
+        cfg = PeersConfig(model=args.model, dtypes=tuple(args.dtype or D.dtypes), threads=args.threads,
                           batches=args.batch, peers=tuple(x.strip() for x in args.peers.split(",")),
                           prompts=args.prompts, new_tokens=args.new_tokens, rounds=args.rounds,
                           speculative=not args.no_speculative, lookup_draft=args.lookup_draft, suite=args.suite,
