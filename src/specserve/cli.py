@@ -30,7 +30,7 @@ def _generate(a: argparse.Namespace) -> int:
     spec = speculative_from_args(a)
     if a.speculative_adaptive and not spec.enabled:
         raise SystemExit("--speculative-adaptive needs --speculative-algorithm other than NONE")
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec,
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization, speculative=spec,
               draft_dtype=a.speculative_draft_dtype, adaptive=a.speculative_adaptive,
               adaptive_profile=a.speculative_adaptive_profile, enforce_eager=not a.compile)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if a.chat else p

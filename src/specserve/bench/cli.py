@@ -18,6 +18,7 @@ from specserve.bench.peers_cli import add_peers_parser
 from specserve.bench.serving_cli import add_serving_parser, cmd_serving, concurrency_list
 from specserve.bench.trace import add_trace_parser
 from specserve.bench.tune import add_engine_args, cmd_tune
+from specserve.models.quantize import QUANTIZATIONS
 
 
 def add_bench_parsers(subparsers: Any) -> None:
@@ -35,9 +36,11 @@ def add_bench_parsers(subparsers: Any) -> None:
     c.set_defaults(func=cmd_compare)
 
     t = subparsers.add_parser("tune", help="serve each grid configuration, sweep it, name the winner per concurrency")
-    t.add_argument("--model", default="demo", help="`demo` or a checkpoint directory (served and benchmarked)")
+    t.add_argument("--model", default="demo",
+                   help="`demo`, `smollm2`, a .gguf file or a checkpoint directory (served and benchmarked)")
     t.add_argument("--device", default="auto", help="the servers' --device")
     t.add_argument("--dtype", default="auto", help="the servers' --dtype")
+    t.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help="the servers' --quantization")
     t.add_argument("--grid", required=True,
                    help='e.g. "EAGLE3:steps=3,5;topk=1,4;draft=4,8 DFLASH:tree=ddtree;draft=8,16 NGRAM:draft=8,12 '
                         'NONE"; keys steps, topk, draft, block, tree, path; NONE is always the baseline')

@@ -263,7 +263,8 @@ def _engine_defaults(entries: list[GridEntry], engine: str) -> list[GridEntry]:
 
 def _specserve_argv(args: argparse.Namespace, cand: Candidate) -> list[str]:
     return [sys.executable, "-m", "specserve.server.cli", "--model", args.model, "--device", args.device, "--dtype",
-            args.dtype, *cand.tokens(), "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
+            args.dtype, "--quantization", args.quantization, *cand.tokens(),
+            "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
 
 
 def plan_launches(args: argparse.Namespace, candidates: list[Candidate],
@@ -306,7 +307,8 @@ def plan_launches(args: argparse.Namespace, candidates: list[Candidate],
 def _launch(args: argparse.Namespace, launch: dict[str, Any], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     if args.engine == "specserve":
         cand: Candidate = launch["candidate"]
-        return start_server(args.model, ["--device", args.device, "--dtype", args.dtype, *cand.tokens()], log,
+        return start_server(args.model, ["--device", args.device, "--dtype", args.dtype,
+                                         "--quantization", args.quantization, *cand.tokens()], log,
                             args.server_timeout)
     port = free_port()
     host = args.engine_host

@@ -24,7 +24,8 @@ from specserve.engine.offline import OnTokens, generate_batch, kv_blocks_needed
 from specserve.engine.pass_log import PassLog
 from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
-from specserve.models.loader import load_model, resolve_model_path
+from specserve.models.loader import load_model, open_gguf, resolve_model_path
+from specserve.models.quantize import quantize_model, resolve_quantization
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import GenerationResult, SamplingParams
@@ -82,25 +83,30 @@ class LLM:
         adaptive: bool = False,
         adaptive_profile: str | Path | None = None,
         enforce_eager: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
         """dtype / draft_dtype: `auto` (None) or a dtype name, of the target / of the drafter's weights.
         engine_config: the offline engine's (None: a KV pool sized to each batch, 1 GB at most).
         adaptive: pick the draft width per step from a measured cost profile (`--speculative-adaptive`) instead
         of always drafting the configured width.
         enforce_eager: without an `engine_config`, whether the offline engines run eager (None: `EngineConfig`'s
-        default, compiled decode steps built on first use: `engine/compiled.py`)."""
+        default, compiled decode steps built on first use: `engine/compiled.py`).
+        quantization: `--quantization` auto (None), none, int4, int8 (`models/quantize.py`)."""
         self.device = pick_device(device)
         model_dir = resolve_model_path(model)
         cfg = ModelConfig.from_file(model_dir / "config.json")
         self.dtype = default_dtype(cfg.torch_dtype, self.device) if dtype in (None, "auto") else parse_dtype(dtype)
+        self.quantization = resolve_quantization(quantization, model_dir, self.device)
         self.spec = speculative or SpeculativeConfig()
         # Check the drafter against the target's config before any weights are read.
         plan = plan_drafter(self.spec, cfg) if self.spec.enabled else None
-        target, self.config, self.model_dir = load_model(model_dir, self.device, self.dtype)
+        gguf = open_gguf(model_dir)  # once: its header takes seconds to parse
+        target, self.config, self.model_dir = load_model(model_dir, self.device, self.dtype, source=gguf)
         assert isinstance(target, CausalLM)
         if self.device.type == "cpu":  # faster few-row verify products (models/layout.py)
             column_major_projections(target)
             two_layout_heads(target)
+        quantize_model(target, self.quantization, gguf)
         self.model: CausalLM = target
         self.tokenizer = Tokenizer(self.model_dir)
         eos = set(self.config.eos_token_ids)

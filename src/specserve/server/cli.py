@@ -56,7 +56,8 @@ def run_server(cfg: ServeConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def load() -> tuple[LLM, BatchEngine]:
-        llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, speculative=cfg.speculative,
+        llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, quantization=cfg.quantization,
+                  speculative=cfg.speculative,
                   draft_dtype=cfg.draft_dtype)
         profile, trace = cfg.speculative_adaptive_profile, cfg.speculative_adaptive_trace
         return llm, llm.make_engine(cfg.engine, adaptive=cfg.speculative_adaptive,

@@ -23,6 +23,7 @@ from specserve.cli_args import add_model_args, add_speculative_args, speculative
 from specserve.config import DTYPES, SpeculativeConfig
 from specserve.engine.engine_config import EngineConfig, eager_by_default
 from specserve.models.loader import resolve_model_path
+from specserve.models.quantize import check_quantization
 from specserve.server.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -33,6 +34,7 @@ class ServeConfig:
     model: str = "demo"
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"  # --quantization (models/quantize.py)
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
@@ -64,6 +66,7 @@ class ServeConfig:
         if self.draft_dtype != "auto" and self.draft_dtype.lower() not in DTYPES:
             raise ValueError(f"--speculative-draft-dtype {self.draft_dtype!r} is not known; "
                              f"use auto or one of {', '.join(DTYPES)}")
+        check_quantization(self.quantization)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r} is not known; use one of {', '.join(LOG_LEVELS)}")
 
@@ -76,6 +79,7 @@ class ServeConfig:
         """The configuration as /server_info shows it (the API key itself is not shown)."""
         return {
             "model": self.model, "served_model_name": self.model_name, "device": self.device, "dtype": self.dtype,
+            "quantization": self.quantization,
             "host": self.host, "port": self.port, "api_key_required": self.api_key is not None,
             "max_queue": self.max_queue, "tool_call_parser": self.tool_call_parser,
             "shutdown_timeout": self.shutdown_timeout, "speculative_adaptive": self.speculative_adaptive,
@@ -203,7 +207,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         merged.update(given)
     ns = argparse.Namespace(**merged)
     cfg = ServeConfig(
-        model=ns.model, device=ns.device, dtype=ns.dtype, host=ns.host, port=ns.port, api_key=ns.api_key,
+        model=ns.model, device=ns.device, dtype=ns.dtype, quantization=ns.quantization,
+        host=ns.host, port=ns.port, api_key=ns.api_key,
         max_queue=ns.max_queue, served_model_name=ns.served_model_name, tool_call_parser=ns.tool_call_parser,
         shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level, speculative=speculative_from_args(ns),
         draft_dtype=ns.speculative_draft_dtype,

@@ -26,6 +26,7 @@ from specserve.engine.engine_config import EngineConfig
 from specserve.engine.runner import Row, RowOutput
 from specserve.kv.block_pool import BlockPool
 from specserve.kv.paged import PagedKVCache
+from specserve.layers.quant import QuantLinear
 from specserve.models.llama import CausalLM
 
 
@@ -97,7 +98,10 @@ def profile_key(engine: ProfiledEngine) -> str:
         "compiled": None if engine.compiled is None else [engine.compiled.max_batch, engine.compiled.max_width],
         # the projections' storage order (models/layout.py): the same weights multiply at another speed
         "weight_strides": None if proj is None else list(proj.weight.stride()),
-        "head": type(engine.model.lm_head).__name__,  # one layout or two (models/layout.py)
+        "head": type(engine.model.lm_head).__name__,  # one layout or two (models/layout.py), or bf16
+        # weight-only quantized projections (layers/quant.py): their kernels and the width they switch at
+        "quantization": next(([m.kind, m.wide_rows] for m in engine.model.modules() if isinstance(m, QuantLinear)),
+                             None),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
