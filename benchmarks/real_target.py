@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from specserve.config import SpeculativeConfig
 from specserve.engine.compiled import CompiledSteps
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
@@ -134,9 +135,13 @@ def main() -> None:
     prompts = [next(iter(llms.values())).tokenizer.apply_chat_template([{"role": "user", "content": t}])
                for t in TASKS]
     ids = [next(iter(llms.values())).encode(p) for p in prompts]
-    if a.agreement_only:
+    if a.agreement_only:  # also: int4 with n-gram speculation against int4 plain (verifies multiply in bf16)
+        spec = LLM("smollm2", quantization="int4", speculative=SpeculativeConfig.resolve("NGRAM"),
+                   engine_config=EngineConfig(kv_cache_gb=0.25, max_num_seqs=16, enforce_eager=True))
+        ngram = agreement({"float32": llms["int4"], "int4 NGRAM": spec}, ids)
         print(json.dumps({"benchmark": "real_target", "command_line": sys.argv, "decode_steps": "eager",
-                          "greedy_first32_vs_float32": agreement(llms, ids)}, indent=2))
+                          "greedy_first32_vs_float32": agreement(llms, ids),
+                          "greedy_first32_int4_ngram_vs_int4_plain": ngram["int4 NGRAM"]}, indent=2))
         return
     hf = None
     if not a.no_transformers:

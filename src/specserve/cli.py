@@ -42,7 +42,7 @@ def _generate(a: argparse.Namespace) -> int:
                 "text": res.text, "token_ids": res.token_ids, "num_tokens": res.num_tokens,
                 "prompt_tokens": res.prompt_tokens, "finish_reason": res.finish_reason,
                 "elapsed_s": round(res.elapsed_s, 4), "tokens_per_s": round(res.tokens_per_s, 2),
-                "speculative_algorithm": spec.algorithm,
+                "speculative_algorithm": spec.algorithm, "quantization": llm.quantization,
             }
             if spec.enabled:
                 out.update({

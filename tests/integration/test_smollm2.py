@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve.cli import main
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.gguf_dir import smollm2_gguf
@@ -75,6 +76,17 @@ def test_int4_greedy_agrees_with_dequantized(f32: LLM) -> None:
     print(f"int4 vs float32, first 32 greedy tokens identical: {same}/{len(ref)}")
     assert same >= len(ref) // 2
     assert "def " in int4.tokenizer.decode(got[0])  # real code
+
+
+def test_readme_command_answers_with_code(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's first command (fewer tokens, --json): a chat coding prompt on the real target, n-gram
+    speculation, int4 weights by default."""
+    code = main(["generate", "--model", "smollm2", "--chat", "--prompt", TASKS[0], "--max-new-tokens", "40",
+                 "--speculative-algorithm", "NGRAM", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["quantization"] == "int4" and out["speculative_algorithm"] == "NGRAM"
+    assert "def " in out["text"] and out["num_verify_steps"] > 0
 
 
 def test_ngram_speculation_is_exact_in_float32(f32: LLM) -> None:
