@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.adaptive.measure import profile_forward
 from specserve.engine.compiled import CompiledSteps
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
-from specserve.engine.runner import Row
 from specserve.layers.quant import GROUP, QuantLinear, bf16_linear
 from specserve.models.gguf_dir import smollm2_gguf
 from specserve.types import SamplingParams
@@ -54,7 +54,6 @@ TASKS = ["Write a Python function that checks whether a string is a palindrome."
          "Write a function that validates an email address with a regular expression."]
 MODES = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("float32", "int4")]
 WIDTHS = (1, 2, 4, 8, 16, 32)
-CONTEXT = 128
 
 
 def arm_name(dtype: str, quant: str) -> str:
@@ -62,20 +61,17 @@ def arm_name(dtype: str, quant: str) -> str:
 
 
 def width_curve(llm: LLM, eager: bool) -> dict[str, float]:
-    """ms of one engine forward of Q new tokens over a CONTEXT-token context (and 16 rows of 1 token)."""
+    """ms of one engine forward of Q new tokens over a PROFILE_CONTEXT-token context (and 16 rows of 1 token)."""
     engine = llm.make_engine(EngineConfig(kv_cache_gb=0.25, max_num_seqs=16, enforce_eager=eager))
     if not eager:  # a plain engine compiles one-token steps only; verify widths as a drafter's engine would
         engine.compiled = CompiledSteps(llm.model, engine.kv, 16, max(WIDTHS))
-    context = list(range(CONTEXT))
     out: dict[str, float] = {}
     for b, q in [(1, w) for w in WIDTHS] + [(16, 1)]:
-        row = Row(token_ids=[0] * q, positions=list(range(CONTEXT, CONTEXT + q)),
-                  write_slots=list(range(CONTEXT, CONTEXT + q)), context=context, logits="all")
-        engine.target_forward([row] * b)
+        profile_forward(engine, b, q)
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            engine.target_forward([row] * b)
+            profile_forward(engine, b, q)
             times.append(time.perf_counter() - t0)
         out[f"{b}x{q}"] = round(min(times) * 1e3, 2)
     return out

@@ -103,10 +103,11 @@ class LLM:
         gguf = open_gguf(model_dir)  # once: its header takes seconds to parse
         target, self.config, self.model_dir = load_model(model_dir, self.device, self.dtype, source=gguf)
         assert isinstance(target, CausalLM)
-        if self.device.type == "cpu":  # faster few-row verify products (models/layout.py)
+        if self.quantization != "none":  # replaces the projections and the head (models/quantize.py)
+            quantize_model(target, self.quantization, gguf)
+        elif self.device.type == "cpu":  # faster few-row verify products (models/layout.py)
             column_major_projections(target)
             two_layout_heads(target)
-        quantize_model(target, self.quantization, gguf)
         self.model: CausalLM = target
         self.tokenizer = Tokenizer(self.model_dir)
         eos = set(self.config.eos_token_ids)

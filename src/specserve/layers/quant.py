@@ -60,6 +60,14 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.specserve.bf16_linear(x, weight)
 
 
+def _as_input(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A product y [M, N] back to x's dtype and leading shape [..., N], plus the bias."""
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks w = d * q + m (q [N, K] in 0..15, d and m [N, K/32]) -> (packed weight, scales_and_zeros
     [K/32, N, 2] bf16) for `_weight_int4pack_mm_for_cpu`."""
@@ -124,7 +132,6 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        lead = x.shape[:-1]
         xb = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
         if xb.shape[0] >= self.wide_rows:
             y = bf16_linear(xb, self.dense_weight)
@@ -132,10 +139,7 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.packed, self.scales)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*lead, self.out_features)
+        return _as_input(y, x, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, wide_rows={self.wide_rows}"
@@ -158,7 +162,4 @@ class BF16Head(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., V] in x's dtype."""
         xb = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, H]
-        y = bf16_linear(xb, self.dense_weight).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return _as_input(bf16_linear(xb, self.dense_weight), x, self.bias)

@@ -1,8 +1,9 @@
 """Read a llama.cpp GGUF file: its metadata as a Hugging Face `config.json`, its tensors under HF names.
 
 Architectures `llama`, `qwen2` and `qwen3` (the families `models/llama.py` runs). llama.cpp's converter permutes
-the rows of a Llama checkpoint's q/k projections to pair each head's rotary halves as interleaved pairs; `hf_rows`
-undoes it (Qwen models rotate halves and are stored as they are). Every error names the file and what is wrong.
+the rows of a Llama checkpoint's q/k projections to pair each head's rotary halves as interleaved pairs;
+`unpermute_order` undoes it (Qwen models rotate halves and are stored as they are). Every error names the file
+and what is wrong.
 """
 
 from __future__ import annotations

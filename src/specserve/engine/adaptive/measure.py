@@ -76,6 +76,15 @@ def measure_profile(
     return CostProfile(key, tuple(batch_sizes), tuple(widths), monotone(grid))
 
 
+def profile_forward(engine: ProfiledEngine, batch: int, q: int) -> None:
+    """One target pass of `batch` rows of q new tokens over a PROFILE_CONTEXT-token context (scratch K/V in the
+    pool's first slots): what the engine's pass of that shape runs, compiled or eager."""
+    row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)),
+              write_slots=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), context=list(range(PROFILE_CONTEXT)),
+              logits="all")
+    engine.target_forward([row] * batch)
+
+
 def profile_grid(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
     """Batch sizes (powers of two up to max_batch, and max_batch) and verify widths q (1 .. max_width + 1)."""
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch} | {max_batch})
@@ -131,15 +140,9 @@ def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: b
     need = PROFILE_CONTEXT + max(widths)
     if need > engine.kv.num_slots:
         raise ValueError(f"the KV pool ({engine.kv.num_slots} slots) is too small to profile {need}-token rows")
-    context = list(range(PROFILE_CONTEXT))
     bar = tqdm(total=len(batches) * len(widths), desc="adaptive profile", unit="shape", disable=not progress)
-
-    def forward(b: int, q: int) -> None:
-        row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)),
-                  write_slots=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), context=context, logits="all")
-        engine.target_forward([row] * b)  # what the engine's pass of that shape runs, compiled or eager
-
-    profile = measure_profile(forward, key, batches, widths, progress=lambda done, _total: bar.update(1))
+    profile = measure_profile(lambda b, q: profile_forward(engine, b, q), key, batches, widths,
+                              progress=lambda done, _total: bar.update(1))
     bar.close()
     try:
         profile.save(path)
