@@ -228,9 +228,9 @@ class BatchEngine:
                 raise ValueError("this engine has no grammar compiler: constrained decoding is off")
             need = self.grammars.compile(params.grammar)
             if need > params.max_new_tokens:
-                raise ValueError(f"the grammar needs at least {need} tokens (what it forces from its start) but "
+                raise ValueError(f"the grammar needs {need} tokens for a complete output (its shortest found) but "
                                  f"max_new_tokens is {params.max_new_tokens}; raise max_new_tokens")
-            grammar = self.grammars.state(params.grammar, self.device)
+            grammar = self.grammars.state(params.grammar, self.device, checker.limit)
         seq = self.scheduler.add(request_id, prompt_ids, params)
         self.counters.prompt_tokens += len(prompt_ids)
         self._requests[request_id] = _Request(seq, params, make_generator(params.seed, self.device), checker,

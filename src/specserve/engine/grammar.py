@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specserve.engine.grammar_close import CLOSE_SLACK, NEAR, ClosingTable, closing_tokens, is_json
 from specserve.speculative.trees.tree import DraftTree, child_by_token
 from specserve.tokenizer import Tokenizer
 from specserve.types import Grammar
@@ -45,6 +46,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the server checks grammars off the engine's thread
         self.compile_s = 0.0  # spent compiling, cache misses only
         self.compiled = 0
+        self._closing: ClosingTable | None = None  # built on the first budgeted state (~1 s: every token's text)
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
@@ -55,8 +57,8 @@ class GrammarCompiler:
         return self._tok
 
     def compile(self, grammar: Grammar) -> int:
-        """Compile and cache the grammar (ValueError names what is wrong); the fewest tokens any output it
-        accepts can have, as far as its forced start tells (`min_tokens`)."""
+        """Compile and cache the grammar (ValueError names what is wrong); the tokens of a short output it accepts
+        (the closing path from its start, `engine/grammar_close.py`; else the lower bound `min_tokens`)."""
         with self._lock:
             return self._compile(grammar).min_tokens
 
@@ -89,7 +91,8 @@ class GrammarCompiler:
         matcher = LLMatcher(tok, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the {grammar.kind} grammar cannot be used: {matcher.get_error()}")
-        compiled = _Compiled(matcher, min_tokens(matcher.deep_copy()))
+        path = closing_tokens(matcher, self._table(), self._eos[0] if self._eos else None)
+        compiled = _Compiled(matcher, len(path) if path is not None else min_tokens(matcher.deep_copy()))
         self.compile_s += time.perf_counter() - t0
         self.compiled += 1
         self._cache[grammar] = compiled
@@ -97,11 +100,21 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return compiled
 
-    def state(self, grammar: Grammar, device: torch.device) -> GrammarState:
-        """A fresh state at the grammar's start: a copy of the cached matcher (tens of µs, not a compile)."""
+    def _table(self) -> ClosingTable:
+        if self._closing is None:
+            self._closing = ClosingTable.build(self._source, self.vocab_size)
+        return self._closing
+
+    def state(self, grammar: Grammar, device: torch.device, budget: int | None = None) -> GrammarState:
+        """A fresh state at the grammar's start: a copy of the cached matcher (tens of µs, not a compile).
+        `budget`: the request's output tokens at most; the output is then closed before they run out
+        (`engine/grammar_close.py`)."""
         with self._lock:
             matcher = self._compile(grammar).matcher.deep_copy()
-        return GrammarState(matcher, self.vocab_size, device, frozenset(self._eos))
+            closing = None
+            if budget is not None:
+                closing = _Closing(self._table(), budget, is_json(grammar), self._eos[0] if self._eos else None)
+        return GrammarState(matcher, self.vocab_size, device, frozenset(self._eos), closing)
 
 
 @dataclass(frozen=True)
@@ -130,34 +143,115 @@ def _json_options(grammar: Grammar) -> Any:
     return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class GrammarState:
-    """One request's place in its grammar: it has consumed every token committed so far."""
+@dataclass(frozen=True)
+class _Closing:
+    table: ClosingTable
+    budget: int  # output tokens at most
+    json: bool  # wind down in the window (JSON grammars)
+    eos: int | None
 
-    def __init__(self, matcher: Any, vocab_size: int, device: torch.device, eos_ids: frozenset[int]) -> None:
+
+class GrammarState:
+    """One request's place in its grammar: it has consumed every token committed so far. With a budget, the
+    tokens it allows near the budget's end close the output in time (`engine/grammar_close.py`)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, device: torch.device, eos_ids: frozenset[int],
+                 closing: _Closing | None = None) -> None:
         self._m = matcher
         self.eos_ids = eos_ids  # end the output: never consumed in a tree walk (no rollback past them)
         self.vocab_size = vocab_size
         self.device = device
         self.mask_s = 0.0  # spent computing masks
         self.masks = 0
+        self._closing = closing
+        self._history: list[int] = []  # consumed tokens (with a budget): the key of the closing paths
+        self._strings: list[tuple[bool, bool]] = [(False, False)]  # JSON string state after each of them
+        self._paths: OrderedDict[tuple[int, ...], list[int] | None] = OrderedDict()
+
+    # -- the budget rule: (mode, the closing path's next token)
+
+    def _rule(self) -> tuple[str, int]:
+        """("free", -1), ("wind", next) or ("close", next) at the current place."""
+        c = self._closing
+        if c is None:
+            return "free", -1
+        left = c.budget - len(self._history)
+        if left > NEAR:
+            return "free", -1
+        path = self._path()
+        if not path:
+            return "free", -1
+        if left - len(path) <= (CLOSE_SLACK if c.json else 0):
+            return "close", path[0]
+        if c.json and left - len(path) <= c.table.window:
+            return "wind", path[0]
+        return "free", -1
+
+    def _path(self) -> list[int] | None:
+        assert self._closing is not None
+        key = tuple(self._history[-32:]) + (len(self._history),)
+        if key in self._paths:
+            self._paths.move_to_end(key)
+            return self._paths[key]
+        path = closing_tokens(self._m, self._closing.table, self._closing.eos, self._strings[-1])
+        self._paths[key] = path
+        if len(self._paths) > 512:
+            self._paths.popitem(last=False)
+        return path
+
+    def closing_path(self) -> list[int] | None:
+        """The tokens of the short complete output from here (None: none found); with a budget only."""
+        return self._path() if self._closing is not None else None
+
+    # -- what the grammar (and the budget) allow
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
         t0 = time.perf_counter()
-        raw = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)  # [ceil(V/32)*4]
-        # bit i%8 of byte i//8 (numpy unpacks in a few µs; torch's shifts took 35 µs at V = 8192)
-        bits = torch.from_numpy(np.unpackbits(raw, bitorder="little")[: self.vocab_size].view(np.bool_))
+        mode, step = self._rule()
+        if mode == "close":
+            bits = torch.zeros(self.vocab_size, dtype=torch.bool)
+            bits[step] = True
+        else:
+            raw = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)  # [ceil(V/32)*4]
+            # bit i%8 of byte i//8 (numpy unpacks in a few µs; torch's shifts took 35 µs at V = 8192)
+            bits = torch.from_numpy(np.unpackbits(raw, bitorder="little")[: self.vocab_size].view(np.bool_))
+            if mode == "wind":
+                assert self._closing is not None
+                bits = bits & self._closing.table.safe
+                bits[step] = True
         self.mask_s += time.perf_counter() - t0
         self.masks += 1
         return bits.to(self.device)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` next (well under a µs: no mask is built)."""
+        mode, step = self._rule()
+        if mode == "close":
+            return int(token) == step
+        if mode == "wind" and int(token) != step:
+            assert self._closing is not None
+            if not bool(self._closing.table.safe[int(token)]):
+                return False
         return bool(self._m.validate_tokens([int(token)]) == 1)
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar takes from here (the state does not move)."""
-        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+        if not tokens:
+            return 0
+        c = self._closing
+        if c is None or c.budget - len(self._history) - len(tokens) > NEAR:
+            return int(self._m.validate_tokens([int(t) for t in tokens]))
+        n = 0
+        for t in tokens:
+            if not self.allows(t):
+                break
+            n += 1
+            if t in self.eos_ids:
+                break
+            self.consume([t])
+        self.rollback(n - (1 if n and tokens[n - 1] in self.eos_ids else 0))
+        return n
 
     def greedy_pick(self, logits: torch.Tensor, argmax: int) -> int:
         """The masked argmax of one row of logits [V], given its plain `argmax`: that one where the grammar takes
@@ -168,6 +262,9 @@ class GrammarState:
         for t in tokens:
             if not self._m.consume_token(int(t)):
                 raise RuntimeError(f"token {t} broke the grammar: {self._m.get_error()}")
+            if self._closing is not None:
+                self._history.append(int(t))
+                self._strings.append(self._closing.table.scan(self._strings[-1], int(t)))
 
     def consume_until_stopped(self, tokens: list[int]) -> int:
         """Consume `tokens` up to and including the one that completes the grammar; how many it took."""
@@ -180,10 +277,20 @@ class GrammarState:
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
             raise RuntimeError(f"grammar rollback of {n} tokens failed: {self._m.get_error()}")
+        if n and self._closing is not None:
+            del self._history[-n:]
+            del self._strings[-n:]
 
     def forced(self, limit: int) -> list[int]:
-        """Tokens the grammar forces next (its only continuation), at most `limit`."""
-        return list(self._m.compute_ff_tokens())[:limit] if limit > 0 else []
+        """Tokens the grammar forces next (its only continuation), at most `limit`; when closing, the path."""
+        if limit <= 0:
+            return []
+        mode, _ = self._rule()
+        if mode == "close":
+            path = self._path()
+            assert path is not None
+            return path[:limit]
+        return list(self._m.compute_ff_tokens())[:limit]
 
     @property
     def stopped(self) -> bool:

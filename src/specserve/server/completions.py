@@ -96,7 +96,7 @@ async def _checked(state: ServerState, grammar: Grammar | None, param: str) -> t
 def _fits(need: int, max_new: int, param: str) -> None:
     """400 when no output the grammar accepts fits in the token budget."""
     if need > max_new:
-        raise ApiError(400, f"the {param} grammar needs at least {need} tokens (what it forces from its start) but "
+        raise ApiError(400, f"the {param} grammar needs {need} tokens for a complete output (its shortest found) but "
                        f"max_tokens allows {max_new}; raise max_tokens", param="max_tokens")
 
 
