@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from server_util import ServerProcess, running_server
+from server_util import ServerProcess, free_port, running_server
 from specserve.engine.llm import LLM
 from specserve.server.cli import add_serve_parser
 from specserve.server.completions import stream_chat
@@ -27,7 +29,8 @@ from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_api import EngineOutput, RequestGroup
 from specserve.server.schemas import StreamOptions
 from specserve.server.serve_config import serve_config_from_args
-from specserve.server.tool_parsers import HermesParser, KimiK2Parser, Parsed, ToolParser
+from specserve.server.tool_parsers import HermesParser, KimiK2Parser, Parsed, SmolLM2Parser, ToolParser
+from specserve.server.tool_prompt import calls_text, renders_tools, with_tools
 from specserve.speculative.dflash.checkpoint import init_random_dflash
 from specserve.speculative.eagle3.checkpoint import init_random_eagle3
 from specserve.tokenizer import Tokenizer
@@ -67,6 +70,33 @@ def test_hermes_parser_whole_and_streamed() -> None:
     assert feed_in_pieces(HermesParser(), bad, 2) == Parsed(bad)
     cut = HermesParser().parse('<tool_call>{"name": "f", "arguments": {"x": 1}}')  # ended before </tool_call>
     assert calls(cut) == [("f", {"x": 1})] and cut.content == ""
+
+
+def test_smollm2_parser_reads_a_list_of_calls_and_the_prompt_writes_them_back() -> None:
+    text = ('<tool_call>[{"name": "read_file", "arguments": {"path": "a.py"}}, '
+            '{"name": "run_tests", "arguments": {}}]</tool_call>')
+    whole = SmolLM2Parser().parse(text)
+    assert whole.content == "" and calls(whole) == [("read_file", {"path": "a.py"}), ("run_tests", {})]
+    for size in (1, 4, 9):
+        streamed = feed_in_pieces(SmolLM2Parser(), text, size)
+        assert (streamed.content, calls(streamed)) == (whole.content, calls(whole))
+    assert calls(SmolLM2Parser().parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>')) == [("f", {})]
+    for bad in ('<tool_call>[{"name": "f"}, 3]</tool_call>', "<tool_call>[]</tool_call>"):
+        assert SmolLM2Parser().parse(bad) == Parsed(bad)
+    assert HermesParser().parse(text) == Parsed(text)  # Hermes reads one call per region, not a list
+    # the template has no tools: they go into the system message, earlier calls back into the text, verbatim
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}
+    msgs = with_tools([{"role": "user", "content": "open a.py"},
+                       {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "content": "print(1)", "tool_call_id": "c1"}], tools, SmolLM2Parser)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
+    assert '<tools>[{"name": "read_file"' in msgs[0]["content"] and "tool_calls" not in msgs[2]
+    assert calls(SmolLM2Parser().parse(msgs[2]["content"])) == [("read_file", {"path": "a.py"})]
+    assert msgs[2]["content"] == calls_text([{"name": "read_file", "arguments": {"path": "a.py"}}], SmolLM2Parser)
+    own = with_tools([{"role": "system", "content": "Be brief."}], tools, SmolLM2Parser)
+    assert len(own) == 1 and own[0]["content"].startswith("Be brief.\n\n")
+    assert renders_tools("{% if tools %}{{ tools }}{% endif %}") and not renders_tools("{{ messages }}")
 
 
 def test_kimi_k2_parser() -> None:
@@ -459,3 +489,19 @@ def test_sigterm_finishes_in_flight_and_exits_zero(guarded: ServerProcess) -> No
     assert guarded.proc.wait(timeout=30) == 0, guarded.log_tail()
     with pytest.raises(httpx.ConnectError):
         httpx.get(guarded.url + "/health")
+
+
+def test_start_up_says_ready_and_fails_early_with_clear_exit_codes(server: ServerProcess, tiny_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """A running server logged its `ready` line; a second one on its port fails before loading (exit 1), one with
+    a model that is not there fails with one `error:` line (exit 2); neither leaves a traceback."""
+    assert "specserve serve: ready on http://127.0.0.1:" in server.log_tail(100_000)
+    port = server.url.rsplit(":", 1)[1]
+    base = [sys.executable, "-m", "specserve.server.cli", "--host", "127.0.0.1", "--device", "cpu"]
+    taken = subprocess.run([*base, "--model", str(tiny_dir), "--port", port], capture_output=True, text=True,
+                           timeout=120)
+    assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    assert "--port" in taken.stderr and "Traceback" not in taken.stderr and "loading" not in taken.stderr
+    missing = subprocess.run([*base, "--model", str(tmp_path / "nowhere"), "--port", str(free_port())],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "error:" in missing.stderr and "Traceback" not in missing.stderr

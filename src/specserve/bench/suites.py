@@ -7,6 +7,9 @@
   short held-out continuations loop less, and reports leave looping tasks out of their headline.
 - `heldout-pip`: 64 contexts of one package (pip), all cut right after a newline (the kind that flatters
   drafters most); kept because earlier figures were measured on it.
+- `chat-coding`: chat tasks for a chat target (SmolLM2-Instruct), built from functions of the same held-out
+  packages: write / explain / fix / complete a function, and an agent turn with a file as a tool result
+  (`train/chat_prompts.py`, whose training split is the standard library's); the task's kind is its `kind`.
 - a JSONL file: one task a line with `name` and `prompt` (or chat `messages`).
 """
 
@@ -70,8 +73,8 @@ def load_jsonl_tasks(path: Path) -> list[Task]:
         if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
             raise ValueError(f"{path}:{lineno}: a task needs `prompt` (or chat `messages`), and may have a `name`")
         kind = obj.get("kind")
-        if kind is not None and kind not in CUT_KINDS:
-            raise ValueError(f"{path}:{lineno}: kind {kind!r} is not one of {', '.join(CUT_KINDS)}")
+        if kind is not None and kind not in CUT_KINDS + CHAT_KINDS:
+            raise ValueError(f"{path}:{lineno}: kind {kind!r} is not one of {', '.join(CUT_KINDS + CHAT_KINDS)}")
         # unnamed tasks (a prompts file of `specserve.train.prompts`) are named by their line
         tasks.append(Task(str(obj.get("name", f"{path.stem}:{lineno}")), obj.get("prompt"), obj.get("messages"),
                           kind))
@@ -80,13 +83,16 @@ def load_jsonl_tasks(path: Path) -> list[Task]:
     return tasks
 
 
-HELDOUT = {"heldout-code": "heldout_code.jsonl", "heldout-pip": "heldout_pip.jsonl"}
+#: kinds of chat coding task (`train/chat_prompts.py`)
+CHAT_KINDS = ("write", "explain", "fix", "complete", "tool")
+HELDOUT = {"heldout-code": "heldout_code.jsonl", "heldout-pip": "heldout_pip.jsonl",
+           "chat-coding": "chat_coding.jsonl"}
 
 
 def default_new_tokens(suite: str) -> int:
     """The horizon a suite is measured at: short for held-out code (a continuation, before a small target
-    drifts into loops), 128 otherwise."""
-    return 32 if suite in HELDOUT else 128
+    drifts into loops) and for chat coding answers (their opening, before they loop), 128 otherwise."""
+    return 64 if suite == "chat-coding" else 32 if suite in HELDOUT else 128
 
 
 def load_suite(name_or_path: str) -> list[Task]:

@@ -54,9 +54,13 @@ def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter
                "(specserve's auto picks bf16 only for DFLASH on CPUs, which the engines do not serve from)")
     _device(b, cfg.device, sglang)
     if cfg.tool_call_parser:
-        parser = TOOL_PARSERS[engine][cfg.tool_call_parser]
+        parser = TOOL_PARSERS[engine].get(cfg.tool_call_parser)
         extra = () if sglang else ("--enable-auto-tool-choice",)
-        b.map("--tool-call-parser", cfg.tool_call_parser, *extra, "--tool-call-parser", parser)
+        if parser is None:
+            b.skip("--tool-call-parser", cfg.tool_call_parser, f"{engine} has no parser for this format; tool "
+                   "calls come back as text")
+        else:
+            b.map("--tool-call-parser", cfg.tool_call_parser, *extra, "--tool-call-parser", parser)
     if sglang:
         b.map("--log-level", cfg.log_level, "--log-level", cfg.log_level)
         b.map("--max-queue", cfg.max_queue, "--max-queued-requests", str(cfg.max_queue))

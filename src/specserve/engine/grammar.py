@@ -189,7 +189,7 @@ class GrammarState:
 
     def _path(self) -> list[int] | None:
         assert self._closing is not None
-        key = tuple(self._history[-32:]) + (len(self._history),)
+        key = (*self._history[-32:], len(self._history))
         if key in self._paths:
             self._paths.move_to_end(key)
             return self._paths[key]

@@ -4,7 +4,8 @@ request gets: a JSON answer that loops (repeated keys, list items without end) w
 
 `closing_tokens` walks a copy of the matcher to a complete output the short way: tokens the grammar forces, else
 the first of a few closers it takes (in a JSON string `"}`, `"`, ...; outside one `}`, `]`, then the shortest
-values `0`, `null`, `""`), else its lowest allowed id, then EOS. A request's `GrammarState` compares that path's length `c` with the tokens left `r`:
+values `0`, `null`, `""`), else its lowest allowed id, then EOS. A request's `GrammarState` compares that path's
+length `c` with the tokens left `r`:
 
 - `r - c <= CLOSE_SLACK` (JSON grammars; others `r <= c`): closing: the path's next token is the only one allowed;
 - `r - c <= window` (JSON grammars): winding down: the grammar's tokens without an opening character
@@ -12,8 +13,9 @@ values `0`, `null`, `""`), else its lowest allowed id, then EOS. A request's `Gr
 - else the grammar alone.
 
 A free token of a JSON grammar lengthens the path by a few tokens per opening character at most, which the
-window's width covers; other grammars are closed on a best-effort basis. The rule is a function of the committed tokens and the budget, applied through the grammar's masks, so plain and
-speculative decoding see the same distributions (greedy: the same tokens).
+window's width covers; other grammars are closed on a best-effort basis. The rule is a function of the committed
+tokens and the budget, applied through the grammar's masks, so plain and speculative decoding see the same
+distributions (greedy: the same tokens).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -62,7 +62,8 @@ class CountResponses:
             raise
 
 
-def create_app(engine: ServingEngine, cfg: ServeConfig) -> FastAPI:
+def create_app(engine: ServingEngine, cfg: ServeConfig, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """`on_ready`: called once the engine has started, before the first request is answered."""
     state = ServerState(engine, cfg)
     counter = ResponseCounter(ROUTES)
     registry = metrics_registry(engine.stats, counter.snapshot)  # read at scrape time, one per app
@@ -70,6 +71,8 @@ def create_app(engine: ServingEngine, cfg: ServeConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if on_ready is not None:
+            on_ready()
         yield
         await engine.shutdown(cfg.shutdown_timeout)
 

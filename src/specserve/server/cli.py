@@ -3,6 +3,11 @@
     specserve serve --model demo --speculative-algorithm NGRAM --port 30000
     python -m specserve.server.cli --config serve.yaml --port 30001
 
+Start-up: the address is checked first (a port in use fails at once, exit 1), then the model loads, the decode
+steps compile and the adaptive profile is measured, each with a progress bar; only then does the server listen,
+so /health answers 200 from its first answer, and a `ready` line names the address and the start-up time. A model
+or flag that cannot be used is one `error:` line and exit 2.
+
 SIGTERM (or Ctrl-C): stop accepting connections, give in-flight requests --shutdown-timeout seconds to
 finish, abort the rest, exit 0.
 """
@@ -13,7 +18,9 @@ import argparse
 import logging
 import math
 import signal
+import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,13 @@ def run_server(cfg: ServeConfig) -> int:
     from specserve.server.threads import run_in_passing_thread
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    busy = address_problem(cfg.host, cfg.port)
+    if busy is not None:
+        print(f"specserve serve: error: cannot listen on {cfg.host}:{cfg.port} ({busy}); stop what holds the port "
+              "or pick another --port", file=sys.stderr)
+        return 1
+    print(f"specserve serve: loading {cfg.model}", file=sys.stderr, flush=True)
 
     def load() -> tuple[LLM, BatchEngine]:
         llm = LLM(cfg.model, device=cfg.device, dtype=cfg.dtype, quantization=cfg.quantization,
@@ -66,7 +80,12 @@ def run_server(cfg: ServeConfig) -> int:
 
     # not on the main thread, which would keep an idle OpenMP team beside the engine thread's (threads.py)
     llm, engine = run_in_passing_thread(load)
-    app = create_app(BatchServingEngine(llm, engine, cfg.max_queue, overlap=cfg.overlap_schedule), cfg)
+
+    def ready() -> None:
+        print(f"specserve serve: ready on http://{cfg.host}:{cfg.port} serving {cfg.model_name!r} "
+              f"(start-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+    app = create_app(BatchServingEngine(llm, engine, cfg.max_queue, overlap=cfg.overlap_schedule), cfg, ready)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
         timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout), lifespan="on",
@@ -79,6 +98,22 @@ def run_server(cfg: ServeConfig) -> int:
         print(f"specserve serve: could not serve on {cfg.host}:{cfg.port}", file=sys.stderr)
         return 1
     return 0
+
+
+def address_problem(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be listened on now, or None (checked before minutes of loading)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"the host does not resolve: {e}"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from specserve.server.errors import ApiError, parse_body
 from specserve.server.serve_config import ServeConfig
 from specserve.server.structured import request_grammar, tool_call_grammar
 from specserve.server.tool_parsers import TOOL_PARSERS, Parsed, ToolCall, ToolParser
+from specserve.server.tool_prompt import renders_tools, with_tools
 from specserve.types import Grammar, SamplingParams
 
 
@@ -262,8 +263,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     param = "tool_choice" if forced is not None else "response_format"
     grammar, need = await _checked(state, forced or grammar, param)
     tok = state.engine.tokenizer
+    messages = [_template_message(m) for m in req.messages]
+    if tools and parser_cls is not None and parser_cls.markers and not renders_tools(tok.chat_template):
+        messages, tools = with_tools(messages, tools, parser_cls), None
     try:
-        prompt = tok.apply_chat_template([_template_message(m) for m in req.messages], tools=tools)
+        prompt = tok.apply_chat_template(messages, tools=tools)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
     ids = tok.encode(prompt)

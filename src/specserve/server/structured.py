@@ -1,9 +1,10 @@
 """A request's output constraint: OpenAI's `response_format` and forced `tool_choice`, SGLang's `regex` / `ebnf`
 and vLLM's `structured_outputs`, turned into one `Grammar` (at most one of them per request).
 
-A forced tool call (`tool_choice` "required" or a named function) is a Lark grammar in the chat template's call
-format (Hermes: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, one call or several), its JSON an
-`anyOf` of the tools' schemas with each name a constant, so the parser reads it back into `tool_calls`.
+A forced tool call (`tool_choice` "required" or a named function) is a Lark grammar in the parser's call format
+(Hermes: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, one call or several; SmolLM2: one region
+holding a list of calls), its JSON an `anyOf` of the tools' schemas with each name a constant, so the parser reads
+it back into `tool_calls`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from typing import Any
 
 from specserve.server import schemas as s
 from specserve.server.errors import ApiError
-from specserve.server.tool_parsers import HermesParser
+from specserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 from specserve.tokenizer import Tokenizer
 from specserve.types import Grammar
 
 #: tool-call formats a forced call can be written in (--tool-call-parser names)
-FORCED_CALL_PARSERS = ("hermes", "qwen25", "qwen3")
+FORCED_CALL_PARSERS = ("hermes", "qwen25", "qwen3", "smollm2")
 
 
 def request_grammar(req: s.SamplingRequest) -> Grammar | None:
@@ -100,8 +101,8 @@ def tool_call_grammar(req: s.ChatCompletionRequest, parser: str | None, tokenize
         if not named:
             raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
-        return Grammar("lark", _calls_lark(named, False, tokenizer))
-    return Grammar("lark", _calls_lark(tools, True, tokenizer))
+        return Grammar("lark", _calls_lark(named, False, tokenizer, TOOL_PARSERS[parser]))
+    return Grammar("lark", _calls_lark(tools, True, tokenizer, TOOL_PARSERS[parser]))
 
 
 def _marker(text: str, tokenizer: Tokenizer) -> str:
@@ -111,8 +112,8 @@ def _marker(text: str, tokenizer: Tokenizer) -> str:
     return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
 
-def _calls_lark(tools: list[s.Tool], many: bool, tokenizer: Tokenizer) -> str:
-    start, end = (_marker(m, tokenizer) for m in next(iter(HermesParser.markers.items())))
+def _calls_lark(tools: list[s.Tool], many: bool, tokenizer: Tokenizer, parser: type[ToolParser]) -> str:
+    start, end = (_marker(m, tokenizer) for m in next(iter(parser.markers.items())))
     options = [{"type": "object", "properties": {
         "name": {"const": t.function.name},
         "arguments": t.function.parameters or {"type": "object"},
@@ -120,6 +121,9 @@ def _calls_lark(tools: list[s.Tool], many: bool, tokenizer: Tokenizer) -> str:
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     # compact JSON, as the templates write calls: the keys and separators are then forced tokens
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    if parser.list_body:  # one region, a list of calls: [call, call, ...]
+        calls = '"[" body (", " body)* "]"' if many else '"[" body "]"'
+        return "\n".join([f"start: {start} {calls} {end}", f"body: %json {json.dumps(schema)}"])
     return "\n".join([
         f"start: call{'+' if many else ''}",
         f"call: {start} body {end}",

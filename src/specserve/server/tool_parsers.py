@@ -3,6 +3,8 @@
 Formats:
   hermes / qwen25 (Qwen2.5, Qwen3, Hermes):
       <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>   (repeatable)
+  smollm2 (SmolLM2 Instruct, whose chat template has no tools: `server/tool_prompt.py` lists them):
+      <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]</tool_call>
   kimi_k2 (Moonshot Kimi K2):
       <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
       {"city": "Paris"}<|tool_call_end|> ... <|tool_calls_section_end|>
@@ -44,6 +46,8 @@ class ToolParser(ABC):
     markers: ClassVar[dict[str, str]]
     #: the markers are special tokens, which decoding must keep
     needs_special_tokens: ClassVar[bool] = False
+    #: a region holds a JSON list of calls (else one call per region)
+    list_body: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._buf = ""
@@ -142,11 +146,22 @@ class HermesParser(ToolParser):
             obj = json.loads(region)
         except json.JSONDecodeError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        return [(None, obj["name"], text)]
+        items = obj if isinstance(obj, list) and self.list_body else [obj]
+        calls = [_call(item) for item in items]
+        return None if not calls or any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+class SmolLM2Parser(HermesParser):
+    list_body: ClassVar[bool] = True
+
+
+def _call(obj: object) -> tuple[str | None, str, str] | None:
+    """A {"name": ..., "arguments": {...}} object as (None, name, arguments JSON); None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return None, obj["name"], text
 
 
 _KIMI_CALL = re.compile(
@@ -183,4 +198,5 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen25": HermesParser,
     "qwen3": HermesParser,
     "kimi_k2": KimiK2Parser,
+    "smollm2": SmolLM2Parser,
 }

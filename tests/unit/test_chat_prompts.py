@@ -1,0 +1,41 @@
+"""Chat coding tasks: every kind built, the train and held-out splits disjoint, the bundled suite loadable."""
+
+from __future__ import annotations
+
+import json
+
+from specserve.bench.suites import CHAT_KINDS, default_new_tokens, load_suite
+from specserve.train.chat_prompts import _flip, build_tasks, functions_of
+
+CODE = '''
+def clamp(value, low, high):
+    """Return value limited to the range low..high. Both ends are included."""
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+'''
+
+
+def test_functions_and_flips() -> None:
+    [fn] = functions_of(CODE, "m.py")
+    assert fn.signature == "clamp(value, low, high)" and fn.doc == "Return value limited to the range low..high"
+    broken = _flip(fn.code)
+    assert broken is not None and broken != fn.code and "value <= low" in broken
+    assert '"""Return value limited' in broken  # the docstring is left as it is
+
+
+def test_splits_are_disjoint_and_every_kind_is_built() -> None:
+    train = build_tasks("train", 40)
+    held = load_suite("chat-coding")
+    assert {t["kind"] for t in train} == set(CHAT_KINDS) == {t.kind for t in held}
+    files = {t["name"].rsplit(":", 2)[0] for t in train}
+    assert not files & {t.name.rsplit(":", 2)[0] for t in held}
+    held_text = {json.dumps(t.messages) for t in held}
+    assert not any(json.dumps(t["messages"]) in held_text for t in train)
+    tool = next(t for t in train if t["kind"] == "tool")
+    assert [m["role"] for m in tool["messages"]] == ["user", "assistant", "tool"]
+    assert tool["messages"][1]["content"].startswith('<tool_call>[{"name": "read_file"')
+    assert build_tasks("train", 40) == train  # reproducible
+    assert default_new_tokens("chat-coding") == 64
