@@ -1,18 +1,10 @@
-"""What `specserve serve` sets up before loading: glibc's mmap threshold and the address check."""
+"""What `specserve serve` checks before minutes of loading: the address."""
 
 from __future__ import annotations
 
-import platform
 import socket
 
-import pytest
-
-from specserve.server.cli import address_problem, fixed_mmap_threshold
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_the_mmap_threshold_is_fixed_on_glibc() -> None:
-    assert fixed_mmap_threshold() is True
+from specserve.server.cli import address_problem
 
 
 def test_a_taken_port_is_named_before_loading() -> None:

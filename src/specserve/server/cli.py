@@ -15,7 +15,6 @@ finish, abort the rest, exit 0.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import math
 import signal
@@ -63,7 +62,6 @@ def run_server(cfg: ServeConfig) -> int:
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    fixed_mmap_threshold()
     busy = address_problem(cfg.host, cfg.port)
     if busy is not None:
         print(f"specserve serve: error: cannot listen on {cfg.host}:{cfg.port} ({busy}); stop what holds the port "
@@ -100,22 +98,6 @@ def run_server(cfg: ServeConfig) -> int:
         print(f"specserve serve: could not serve on {cfg.host}:{cfg.port}", file=sys.stderr)
         return 1
     return 0
-
-
-#: glibc's M_MMAP_THRESHOLD (mallopt) and the value the server fixes it at
-M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 4 << 20
-
-
-def fixed_mmap_threshold() -> bool:
-    """Fix glibc's mmap threshold, so that blocks above 4 MiB (a long prompt's prefill temporaries) get mappings
-    of their own, returned when freed. By default glibc raises the threshold to the largest block freed so far (up
-    to 32 MiB): such blocks then come from the heap, which fragments, and a server's RSS crept up for a whole
-    soak (`benchmarks/soak.py`: docs/real-target.md). False where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def address_problem(host: str, port: int) -> str | None:
