@@ -22,25 +22,31 @@ def test_worker_protocol_batches_and_greedy_parity(tiny_dir: Path) -> None:
     reqs = [{"method": "plain", "prompts": prompts, "batch": 1, "new_tokens": 6},
             {"method": "plain", "prompts": prompts, "batch": 3, "new_tokens": 6},
             {"method": "ngram", "prompts": prompts[:1], "batch": 1, "new_tokens": 6},
+            {"method": "suffix", "prompts": prompts, "batch": 1, "new_tokens": 6},
+            {"method": "suffix", "prompts": prompts, "batch": 1, "new_tokens": 6},
             {"method": "floor"}]
-    ours = _ask(*specserve_methods(str(tiny_dir), "float32", eager=True), reqs)
+    ours = _ask(*specserve_methods(str(tiny_dir), "float32", eager=True, speculative=("ngram", "suffix")), reqs)
     theirs = _ask(*transformers_methods(str(tiny_dir), "float32"), reqs[:2])
-    one_by_one, batched, ngram, floor = ours
+    one_by_one, batched, ngram, suffix, suffix_again, floor = ours
     assert [len(o) for o in one_by_one["outputs"]] == [6, 6, 6]
     assert batched["outputs"] == one_by_one["outputs"] == theirs[0]["outputs"] == theirs[1]["outputs"]
     assert ngram["outputs"] == one_by_one["outputs"][:1] and ngram["accept_length"] >= 1.0
+    # the suffix cache starts empty at every call: the same prompts again are drafted as the first time
+    assert suffix["outputs"] == suffix_again["outputs"] == one_by_one["outputs"]
+    assert suffix["accept_length"] == suffix_again["accept_length"]
     assert one_by_one["accept_length"] is None and floor["floor_ms"] > 0
 
 
 def test_peers_run_without_llama_cpp(tiny_dir: Path, tmp_path: Path) -> None:
     cfg = PeersConfig(model=str(tiny_dir), dtypes=("float32",), threads=(1,), batches=(1, 2),
                       peers=("specserve-eager", "transformers"), prompts=2, new_tokens=5, rounds=2,
-                      work=tmp_path / "work")
+                      speculative=("ngram", "suffix"), work=tmp_path / "work")
     report = run(cfg, tmp_path / "out", progress=False)
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"peers.json", "peers.md", "peers.png"}
     assert report["tokenizer_check"] == {} and not (tmp_path / "work").exists()  # llama.cpp not asked for
     rows = {(r["peer"], r["method"], r["batch"]): r for r in report["summary"]}
-    assert set(rows) == {(p, m, b) for p in cfg.peers for m, b in (("plain", 1), ("ngram", 1), ("plain", 2))}
+    assert set(rows) == {(p, m, b) for p in cfg.peers for m, b in (("plain", 1), ("ngram", 1), ("plain", 2))} | {
+        ("specserve-eager", "suffix", 1)}  # suffix is specserve's alone
     for key in [("specserve-eager", "plain", 1), ("transformers", "plain", 1), ("transformers", "plain", 2)]:
         assert rows[key]["identical_outputs"] in ("2/2",) and rows[key]["rounds"] == 2
     assert rows[("specserve-eager", "ngram", 1)]["accept_length"] >= 1.0

@@ -82,7 +82,10 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "flag"), [({"peers": ("vllm",)}, "--peers"), ({"dtypes": ("int8",)}, "--dtype"),
-                                              ({"threads": (0,)}, "--threads"), ({"rounds": 0}, "--rounds")])
+                                              ({"threads": (0,)}, "--threads"), ({"rounds": 0}, "--rounds"),
+                                              ({"speculative": ("medusa",)}, "--speculative"),
+                                              ({"dtypes": ("int4",)}, "transformers"),
+                                              ({"speculative": ("suffix",), "peers": ("llama.cpp",)}, "specserve")])
 def test_bad_config_names_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         PeersConfig(**kwargs)

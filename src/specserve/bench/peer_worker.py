@@ -5,9 +5,12 @@ runs of all peers interleave.
     python -m specserve.bench.peer_worker --system specserve --model demo --dtype float32 --threads 2
 
 Protocol (JSON lines): the worker prints {"ready": true, "load_s"} once loaded; then for each request line
-{"method": "plain" | "ngram" | "floor", "prompts": [[ids]], "batch": B, "new_tokens": N} it prints {"seconds",
-"outputs": [[ids]], "accept_length"} (plain and ngram: greedy, EOS ignored, the prompts in batches of B, one after
-another) or {"floor_ms"} (the matmul floor of one decode step). Logs go to stderr.
+{"method": "plain" | SPEC | "floor", "prompts": [[ids]], "batch": B, "new_tokens": N} it prints {"seconds",
+"outputs": [[ids]], "accept_length"} (greedy, EOS ignored, the prompts in batches of B, one after another) or
+{"floor_ms"} (the matmul floor of one decode step). SPEC: a speculative method the worker was started with
+(`--speculative ngram,suffix`: specserve takes any `--speculative-algorithm`, lower-cased; transformers only
+`ngram`, its prompt lookup). `--dtype int4` runs a GGUF model's weights in int4 (`--quantization int4`). Logs go
+to stderr.
 """
 
 from __future__ import annotations
@@ -50,28 +53,41 @@ def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
     return 1e3 * statistics.median(times)
 
 
-def specserve_methods(model: str, dtype: str, eager: bool) -> tuple[dict[str, Decode], nn.Module]:
+def specserve_methods(model: str, dtype: str, eager: bool,
+                      speculative: tuple[str, ...] = ("ngram",)) -> tuple[dict[str, Decode], nn.Module]:
     from specserve.config import SpeculativeConfig
-    from specserve.engine.llm import LLM
+    from specserve.engine.llm import LLM, default_draft_dtype
     from specserve.speculative.factory import DrafterBuilder, plan_drafter
+    from specserve.speculative.suffix_index import SuffixCache
     from specserve.types import SamplingParams
 
-    llm = LLM(model, device="cpu", dtype=dtype, enforce_eager=eager)
-    ngram = DrafterBuilder(plan_drafter(SpeculativeConfig.resolve("NGRAM"), llm.config), llm.model, llm.device,
-                           llm.dtype)
+    quantization = "int4" if dtype == "int4" else "none"
+    # no prefix cache: rounds repeat the prompts, and llama.cpp and transformers prefill them every time
+    llm = LLM(model, device="cpu", dtype="float32" if dtype == "int4" else dtype, enforce_eager=eager,
+              quantization=quantization, prefix_cache=False)
 
     def plain(ids: list[list[int]], n: int) -> tuple[list[list[int]], list[int]]:
         outs = llm.generate_plain(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
         return [o.token_ids for o in outs], []
 
-    def speculative(ids: list[list[int]], n: int) -> tuple[list[list[int]], list[int]]:
-        outs = llm.generate_with(ngram, ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        return [o.token_ids for o in outs], [a for o in outs for a in o.accept_lengths]
+    def drafting(method: str) -> Decode:
+        spec = SpeculativeConfig.resolve(method.upper())
+        builder = DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device,
+                                 default_draft_dtype(spec.algorithm, llm.dtype, llm.device))
 
-    return {"plain": plain, "ngram": speculative}, llm.model
+        def decode(ids: list[list[int]], n: int) -> tuple[list[list[int]], list[int]]:
+            if builder.suffix_cache is not None:  # outputs of this call's prompts only: rounds repeat the prompts
+                builder.suffix_cache = SuffixCache(spec.suffix_max_cached_requests)
+            outs = llm.generate_with(builder, ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            return [o.token_ids for o in outs], [a for o in outs for a in o.accept_lengths]
+
+        return decode
+
+    return {"plain": plain, **{m: drafting(m) for m in speculative}}, llm.model
 
 
-def transformers_methods(model: str, dtype: str) -> tuple[dict[str, Decode], nn.Module]:
+def transformers_methods(model: str, dtype: str,
+                         speculative: tuple[str, ...] = ("ngram",)) -> tuple[dict[str, Decode], nn.Module]:
     import transformers
 
     from specserve.models.loader import resolve_model_path
@@ -97,7 +113,9 @@ def transformers_methods(model: str, dtype: str) -> tuple[dict[str, Decode], nn.
         outs = [run([p], n, prompt_lookup_num_tokens=10)[0][0] for p in ids]  # one prompt at a time
         return outs, []
 
-    return {"plain": run, "ngram": lookup}, target
+    if unknown := set(speculative) - {"ngram"}:
+        raise ValueError(f"transformers has no {sorted(unknown)} speculation here (only ngram: its prompt lookup)")
+    return {"plain": run, **({"ngram": lookup} if "ngram" in speculative else {})}, target
 
 
 def serve(methods: dict[str, Decode], model: nn.Module, lines: Any, write: Callable[[str], None]) -> None:
@@ -123,15 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specserve.bench.peer_worker")
     ap.add_argument("--system", required=True, choices=SYSTEMS)
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int4"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--speculative", default="ngram", help="comma-separated speculative methods (may be empty)")
     a = ap.parse_args(argv)
+    speculative = tuple(m for m in a.speculative.split(",") if m)
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     if a.system == "transformers":
-        methods, model = transformers_methods(a.model, a.dtype)
+        methods, model = transformers_methods(a.model, a.dtype, speculative)
     else:
-        methods, model = specserve_methods(a.model, a.dtype, eager=a.system == "specserve-eager")
+        methods, model = specserve_methods(a.model, a.dtype, eager=a.system == "specserve-eager",
+                                           speculative=speculative)
 
     def write(text: str) -> None:
         sys.stdout.write(text + "\n")

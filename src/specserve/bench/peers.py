@@ -3,12 +3,18 @@
 Cells are (batch, dtype, threads); every round visits each cell and runs every peer there, the peers' order reversed
 every other round, so drift on a noisy machine lands on all of them alike. In each cell:
 - batch 1: `--prompts` prompts one by one, greedy, `--new-tokens` each, EOS ignored; llama.cpp through
-  `llama-completion`; plain and n-gram speculation (`llama-lookup`, specserve's NGRAM, transformers' prompt lookup);
-  `llama-bench -p 0 -n N` beside them (decoding from an empty context, the figure llama.cpp users quote);
+  `llama-completion`; plain and the `--speculative` methods: `ngram` is n-gram speculation in each peer
+  (`llama-lookup`, specserve's NGRAM, transformers' prompt lookup), any other is one of specserve's algorithms
+  (suffix, eagle3, dflash); `llama-bench -p 0 -n N` beside them (decoding from an empty context, the figure
+  llama.cpp users quote);
 - batch 16: 16 prompts as one batch (llama.cpp: `llama-batched-bench` at the prompts' mean length).
 Seconds are generation's, prompt included, model load excluded (llama.cpp's own `total time`). Greedy outputs are
 compared token for token with specserve's (eager, same dtype): llama.cpp's text is encoded with the checkpoint's
 tokenizer first. The matmul floor of a batch-1 step (`peer_worker.matmul_floor_ms`) is reported per cell.
+
+Chat tasks (`--suite chat-coding`) are rendered with the model's chat template first. A GGUF model (`--model
+smollm2` or FILE.gguf) runs in dtype `int4`: llama.cpp decodes the file itself (smollm2: its Q4_1) and specserve
+its int4 quantization of the same weights.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from tqdm import tqdm
 from specserve.bench import llama_cpp
 from specserve.bench.peer_worker import SYSTEMS
 from specserve.bench.suites import load_suite
+from specserve.models.gguf_dir import GGUF_NAME
 
 PEERS = ("llama.cpp", *SYSTEMS)
+SPEC_METHODS = {"ngram", "suffix", "eagle3", "dflash", "standalone"}  # --speculative-algorithm, lower-cased
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class PeersConfig:
     prompts: int = 4  # batch-1 prompts per cell and round
     new_tokens: int = 128
     rounds: int = 3
-    speculative: bool = True  # n-gram speculation at batch 1 beside plain decoding
+    speculative: tuple[str, ...] = ("ngram",)  # speculative methods at batch 1 beside plain decoding
     lookup_draft: int = 11  # llama-lookup's --spec-draft-n-max (specserve's NGRAM drafts 11 tokens a step)
     suite: str = "coding10"
     work: Path = Path("runs/peers")
@@ -51,8 +59,14 @@ class PeersConfig:
     def __post_init__(self) -> None:
         if unknown := set(self.peers) - set(PEERS):
             raise ValueError(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
-        if unknown := set(self.dtypes) - {"float32", "bfloat16"}:
-            raise ValueError(f"--dtype: {sorted(unknown)} not supported; use float32 and/or bfloat16")
+        if unknown := set(self.dtypes) - {"float32", "bfloat16", "int4"}:
+            raise ValueError(f"--dtype: {sorted(unknown)} not supported; use float32, bfloat16 or (a GGUF model) int4")
+        if "int4" in self.dtypes and "transformers" in self.peers:
+            raise ValueError("--dtype int4: transformers has no int4 arm here; leave it out of --peers")
+        if unknown := set(self.speculative) - SPEC_METHODS:
+            raise ValueError(f"--speculative: unknown {sorted(unknown)}; choose from {', '.join(sorted(SPEC_METHODS))}")
+        if set(self.speculative) - {"ngram"} and not {"specserve", "specserve-eager"} & set(self.peers):
+            raise ValueError("--speculative: methods other than ngram are specserve's; add specserve to --peers")
         if min(self.threads, default=0) < 1 or min(self.batches, default=0) < 1:
             raise ValueError("--threads and --batch take positive integers")
         if self.prompts < 1 or self.new_tokens < 2 or self.rounds < 1:
@@ -64,7 +78,7 @@ class Row:
     """One peer's run in one cell and round."""
 
     peer: str
-    method: str  # plain | ngram | bench (llama-bench, empty context)
+    method: str  # plain | a speculative method (ngram, suffix, ...) | bench (llama-bench, empty context)
     batch: int
     dtype: str
     threads: int
@@ -82,11 +96,11 @@ class Row:
 class Worker:
     """A `peer_worker` process: one in-process peer on one dtype and thread count."""
 
-    def __init__(self, system: str, model: str, dtype: str, threads: int) -> None:
+    def __init__(self, system: str, model: str, dtype: str, threads: int, speculative: tuple[str, ...]) -> None:
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.bench.peer_worker", "--system", system, "--model", model,
-             "--dtype", dtype, "--threads", str(threads)],
+             "--dtype", dtype, "--threads", str(threads), "--speculative", ",".join(speculative)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         self.load_s = float(self._read()["load_s"])
 
@@ -121,17 +135,23 @@ class Peers:
         self.cfg = cfg
         self.model_dir = resolve_model_path(cfg.model)
         self.tokenizer = Tokenizer(self.model_dir)
-        tasks = load_suite(cfg.suite)
-        self.texts: list[str] = [t.prompt for t in tasks if isinstance(t.prompt, str)]
-        if not self.texts or len(self.texts) < len(tasks):
-            raise ValueError(f"--suite {cfg.suite}: every task needs a plain-text prompt (not chat messages)")
+        self.texts = [t.prompt if isinstance(t.prompt, str) else self.tokenizer.apply_chat_template(t.messages or [])
+                      for t in load_suite(cfg.suite)]
         self.ids = [self.tokenizer.encode(t) for t in self.texts]
+        own_gguf = self.model_dir / GGUF_NAME  # a GGUF model's file (models/gguf_dir.py)
+        if "int4" in cfg.dtypes and not own_gguf.exists():
+            raise ValueError(f"--dtype int4: {cfg.model} is not a GGUF model (--model smollm2 or FILE.gguf)")
         self.llama: llama_cpp.LlamaCpp | None = None
         self.gguf: dict[str, Path] = {}
         self.tokenizer_check: dict[str, Any] = {}
         if "llama.cpp" in cfg.peers:
             self.llama = llama_cpp.build(llama_cpp.fetch_sources(cfg.work / "src"), progress=progress)
             for dtype in cfg.dtypes:
+                if own_gguf.exists():  # no Hugging Face weights to convert: the file itself
+                    if dtype != "int4":
+                        raise ValueError(f"--dtype {dtype}: llama.cpp runs a GGUF model's own file; use --dtype int4")
+                    self.gguf[dtype] = own_gguf.resolve()
+                    continue
                 name = f"{self.model_dir.name}-{llama_cpp.GGUF_TYPES[dtype]}.gguf"
                 self.gguf[dtype] = llama_cpp.convert(self.llama, self.model_dir, dtype, cfg.work / name)
             gguf = next(iter(self.gguf.values()))
@@ -141,7 +161,15 @@ class Peers:
         for system in (p for p in cfg.peers if p in SYSTEMS):
             for dtype in cfg.dtypes:
                 for threads in cfg.threads:
-                    self.workers[(system, dtype, threads)] = Worker(system, cfg.model, dtype, threads)
+                    spec = cfg.speculative if system != "transformers" else tuple(m for m in cfg.speculative
+                                                                                   if m == "ngram")
+                    self.workers[(system, dtype, threads)] = Worker(system, cfg.model, dtype, threads, spec)
+
+    def methods(self, peer: str, batch: int) -> list[str]:
+        """What `peer` runs at `batch`: plain, and at batch 1 the speculative methods it has."""
+        if batch != 1:
+            return ["plain"]
+        return ["plain", *(m for m in self.cfg.speculative if peer.startswith("specserve") or m == "ngram")]
 
     def batch_prompts(self, batch: int) -> list[list[int]]:
         n = self.cfg.prompts if batch == 1 else batch
@@ -160,16 +188,16 @@ class Peers:
             t = 0.0
             for batch in sorted(self.cfg.batches, reverse=True):
                 t += w.ask("plain", self.batch_prompts(batch), batch, self.cfg.new_tokens)["seconds"]
-            if self.cfg.speculative and 1 in self.cfg.batches:
-                t += w.ask("ngram", self.batch_prompts(1), 1, self.cfg.new_tokens)["seconds"]
+            for method in self.methods(system, 1) if 1 in self.cfg.batches else []:
+                if method != "plain":
+                    t += w.ask(method, self.batch_prompts(1), 1, self.cfg.new_tokens)["seconds"]
             seconds[f"{system}/{dtype}/t{threads}"] = round(w.load_s + t, 1)
         return seconds
 
     def run_cell(self, batch: int, dtype: str, threads: int, rnd: int) -> Iterator[Row]:
         order = list(self.cfg.peers) if rnd % 2 == 0 else list(self.cfg.peers)[::-1]
-        methods = ["plain", "ngram"] if batch == 1 and self.cfg.speculative else ["plain"]
         for peer in order:
-            for method in methods:
+            for method in self.methods(peer, batch):
                 if peer == "llama.cpp":
                     yield from self._llama(method, batch, dtype, threads, rnd)
                 else:
@@ -228,7 +256,7 @@ class Peers:
 
     def floors(self) -> dict[str, float]:
         return {f"{d}/t{t}": round(w.ask("floor")["floor_ms"], 3)
-                for (s, d, t), w in self.workers.items() if s == "specserve-eager"}
+                for (s, d, t), w in self.workers.items() if s == "specserve-eager" and d != "int4"}
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -320,7 +348,8 @@ def matrix(summary: list[dict[str, Any]]) -> str:
     series = sorted({(r["peer"], r["method"]) for r in summary},
                     key=lambda s: (s[1] != "plain", s[1] != "bench", PEERS.index(s[0])))
     by = {(r["peer"], r["method"], r["batch"], r["dtype"], r["threads"]): r for r in summary}
-    head = [f"batch {b}, {'f32' if d == 'float32' else 'bf16'}, {t} thr" for b, d, t in cells]
+    short = {"float32": "f32", "bfloat16": "bf16", "int4": "int4"}
+    head = [f"batch {b}, {short[d]}, {t} thr" for b, d, t in cells]
     lines = ["| peer | method | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(cells)]
     for peer, method in series:
         vals = []
@@ -338,9 +367,10 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows = [r for r in summary if r["method"] in ("plain", "ngram")]
+    rows = [r for r in summary if r["method"] != "bench"]
     cells = sorted({(r["batch"], r["dtype"], r["threads"]) for r in rows})
-    series = sorted({(r["peer"], r["method"]) for r in rows}, key=lambda s: (s[1], PEERS.index(s[0])))
+    series = sorted({(r["peer"], r["method"]) for r in rows},
+                    key=lambda s: (s[1] != "plain", s[1], PEERS.index(s[0])))
     fig = Figure(figsize=(max(8, 1.6 * len(cells)), 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -350,7 +380,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
               if r["peer"] == peer and r["method"] == method}
         xs = [j - 0.4 + width * (i + 0.5) for j in range(len(cells))]
         ax.bar(xs, [by.get(c, 0.0) for c in cells], width=width, label=f"{peer} {method}",
-               hatch="//" if method == "ngram" else None)
+               hatch=None if method == "plain" else "//")
     ax.set_xticks(list(range(len(cells))))
     ax.set_xticklabels([f"batch {b}\n{d}\n{t} thr" for b, d, t in cells])
     ax.set_ylabel("generated tokens/s")

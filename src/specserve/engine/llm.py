@@ -84,6 +84,7 @@ class LLM:
         adaptive_profile: str | Path | None = None,
         enforce_eager: bool | None = None,
         quantization: str | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         """dtype / draft_dtype: `auto` (None) or a dtype name, of the target / of the drafter's weights.
         engine_config: the offline engine's (None: a KV pool sized to each batch, 1 GB at most).
@@ -91,7 +92,9 @@ class LLM:
         of always drafting the configured width.
         enforce_eager: without an `engine_config`, whether the offline engines run eager (None: `EngineConfig`'s
         default, compiled decode steps built on first use: `engine/compiled.py`).
-        quantization: `--quantization` auto (None), none, int4, int8 (`models/quantize.py`)."""
+        quantization: `--quantization` auto (None), none, int4, int8 (`models/quantize.py`).
+        prefix_cache: without an `engine_config`, whether the offline engines keep prompts' KV for later calls
+        (off in benchmarks that repeat prompts against peers that prefill every time)."""
         self.device = pick_device(device)
         model_dir = resolve_model_path(model)
         cfg = ModelConfig.from_file(model_dir / "config.json")
@@ -123,11 +126,12 @@ class LLM:
         )
         self.engine_config = engine_config
         self.enforce_eager = enforce_eager
+        self.prefix_cache = prefix_cache
         self.adaptive = adaptive
         self.adaptive_profile = Path(adaptive_profile) if adaptive_profile else None
         # output grammars (`SamplingParams.grammar`), compiled once per spec for this tokenizer
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_ids)
-        self._engines: dict[str, BatchEngine] = {}  # the offline engines: "spec", "plain", "reference"
+        self._engines: dict[str, BatchEngine] = {}  # the offline engines: "spec", "plain", "reference-<drafter>"
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -180,9 +184,9 @@ class LLM:
         """The offline engine of `kind`, kept between calls (prefix cache, adaptive policy); without an
         `engine_config` its KV pool fits the batch (capped at 1 GB) and is rebuilt larger when a batch needs it."""
         builder = None if kind == "plain" else (drafters or self.drafter_builder)
+        if kind == "reference":  # one engine per drafter: each keeps its compiled steps and prefix cache
+            kind = f"reference-{id(builder)}"  # the engine holds its builder, so the id is not reused
         have = self._engines.get(kind)
-        if kind == "reference" and have is not None and have.drafters is not builder:
-            have = None
         if self.engine_config is not None:
             if have is None:
                 have = self._engines[kind] = self._make(kind, self.engine_config, builder)
@@ -193,7 +197,8 @@ class LLM:
             cap = BatchEngine.pool_blocks(self.model, EngineConfig(), builder)  # the default pool bounds it
             blocks = max(64, min(need, cap))
             eager = {} if self.enforce_eager is None else {"enforce_eager": self.enforce_eager}
-            have = self._engines[kind] = self._make(kind, EngineConfig(num_kv_blocks=blocks, **eager), builder)
+            config = EngineConfig(num_kv_blocks=blocks, enable_prefix_cache=self.prefix_cache, **eager)
+            have = self._engines[kind] = self._make(kind, config, builder)
         return have
 
     def _make(self, kind: str, config: EngineConfig, builder: DrafterBuilder | None) -> BatchEngine:
