@@ -35,10 +35,11 @@ from tqdm import tqdm
 from specserve.bench import llama_cpp
 from specserve.bench.peer_worker import SYSTEMS
 from specserve.bench.suites import load_suite
+from specserve.config import ALGORITHMS
 from specserve.models.gguf_dir import GGUF_NAME
 
 PEERS = ("llama.cpp", *SYSTEMS)
-SPEC_METHODS = {"ngram", "suffix", "eagle3", "dflash", "standalone"}  # --speculative-algorithm, lower-cased
+SPEC_METHODS = {a.lower() for a in ALGORITHMS if a != "NONE"}  # --speculative-algorithm, lower-cased
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,7 @@ class Peers:
         for system in (p for p in cfg.peers if p in SYSTEMS):
             for dtype in cfg.dtypes:
                 for threads in cfg.threads:
-                    spec = cfg.speculative if system != "transformers" else tuple(m for m in cfg.speculative
-                                                                                   if m == "ngram")
+                    spec = tuple(self.methods(system, 1)[1:])
                     self.workers[(system, dtype, threads)] = Worker(system, cfg.model, dtype, threads, spec)
 
     def methods(self, peer: str, batch: int) -> list[str]:
