@@ -243,10 +243,11 @@ torch.save({"weights": t.objective.drafter.state_dict(), "seen": seen}, a.out / 
 def test_two_process_ddp_keeps_ranks_identical(data_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(tmp_path / "ddp.py"), "eagle3", "--target", str(tiny_dir), "--data", str(data_dir),
-                    "--out", str(out), "--steps", "2", "--lr", "3e-3", *SMALL, *EAGLE],
-                   env=ENV, check=True, capture_output=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(tmp_path / "ddp.py"), "eagle3", "--target", str(tiny_dir), "--data", str(data_dir),
+                           "--out", str(out), "--steps", "2", "--lr", "3e-3", *SMALL, *EAGLE],
+                          env=ENV, capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
     for a, b in zip(r0["seen"], r1["seen"], strict=True):
