@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from soak import KINDS, one, rss_mib
+from soak import KINDS, SERVE_ARGS, one, rss_mib
 
 from specserve.bench.tune import start_server, stop_server
 
@@ -67,7 +67,7 @@ def main() -> int:
         ap.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     log = (args.out or Path("runs/heap_phases.json")).with_suffix(".server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
-    extra = ["--served-model-name", "soak", "--tool-call-parser", "smollm2", *shlex.split(args.serve_args)]
+    extra = [*SERVE_ARGS, *shlex.split(args.serve_args)]
     proc, url = start_server(args.model, extra, log, 900)
     rng = random.Random(args.seed)
     phases: list[dict[str, Any]] = []

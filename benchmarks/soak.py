@@ -50,6 +50,8 @@ TASKS = [
     "Write a class for a stack with push, pop and peek.",
 ]
 KINDS = ("stream", "stream_drop", "chat", "json_object", "json_schema", "tool_required", "two_turns")
+#: the server flags every request of `one` relies on: its model name and the tool-call parser
+SERVE_ARGS = ("--served-model-name", "soak", "--tool-call-parser", "smollm2")
 
 
 async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.Random) -> tuple[int, bool]:
@@ -187,7 +189,7 @@ def main() -> int:
     args = ap.parse_args()
     log = (args.out.with_suffix(".server.log") if args.out else Path("soak.server.log"))
     log.parent.mkdir(parents=True, exist_ok=True)
-    extra = ["--served-model-name", "soak", "--tool-call-parser", "smollm2", *args.serve_args.split()]
+    extra = [*SERVE_ARGS, *args.serve_args.split()]
     proc, url = start_server(args.model, extra, log, 1800)
     try:
         result = asyncio.run(soak(url, proc.pid, args))
