@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
-from specserve.layers.quant import WIDE_ROWS, BF16Head, QuantLinear, quantize_q4
+from specserve.layers.quant import EXACT_ROWS, WIDE_ROWS, BF16Head, QuantLinear, bf16_linear, padded_rows, quantize_q4
 from specserve.models.gguf import unpermute_order
 from specserve.models.gguf_quants import dequantize, q4_blocks
 from tiny_gguf import llama_cpp_permute
@@ -85,3 +85,23 @@ def test_bf16_head_keeps_the_tied_weight() -> None:
     assert h.weight is emb.weight and "dense_weight" not in h.state_dict()
     x = torch.randn(5, 32)
     assert (h(x) - x @ emb.weight.t()).abs().max() < 0.05 * (x @ emb.weight.t()).abs().max()
+
+
+def test_tall_products_run_at_few_heights() -> None:
+    heights = {padded_rows(m) for m in range(1, 8193)}
+    assert len(heights) <= EXACT_ROWS + 8 * 9  # every height up to EXACT_ROWS, then 8 per octave
+    for m in range(1, 8193):
+        assert m <= padded_rows(m) <= m * 1.125 and padded_rows(padded_rows(m)) == padded_rows(m)
+    assert padded_rows(EXACT_ROWS) == EXACT_ROWS and padded_rows(EXACT_ROWS + 1) > EXACT_ROWS + 1
+
+
+def test_padded_product_keeps_its_rows() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(48, 64)
+    lin = QuantLinear.from_int8(w, None)
+    m = EXACT_ROWS + 3  # padded to a taller product
+    x = torch.randn(m, 64).to(torch.bfloat16)
+    got = bf16_linear(x, lin.dense_weight)
+    assert got.shape == (m, 48) and got.is_contiguous()
+    ref = torch.nn.functional.linear(x.float(), lin.dense_weight.float())
+    assert (got.float() - ref).abs().max() < 0.02 * ref.abs().max()
