@@ -44,6 +44,7 @@ def test_acceptance_on_a_custom_suite_with_a_reference(tmp_path: Path, tiny_dir:
         assert t["speedup"] == pytest.approx(t["spec_tokens_per_s"] / t["plain_tokens_per_s"], rel=1e-2)
     s = report["summary"]
     assert s["identical_to_plain"] == "2/2" and s["percent_of_reference"] == pytest.approx(100.0)
+    assert s["round_cost_plain_steps"] == pytest.approx(s["accept_length"] / s["speedup"], rel=1e-2)
     assert [t["kind"] for t in report["tasks"]] == ["after_newline", None]
     by_kind = s["by_kind"]["after_newline"]
     assert by_kind["tasks"] == 1 and by_kind["accept_length"] == report["tasks"][0]["accept_length"]

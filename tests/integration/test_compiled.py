@@ -239,3 +239,18 @@ def test_compiled_eagle3_engine_gives_plain_greedy_tokens(tiny_dir: Path, tmp_pa
     with caplog.at_level("WARNING", logger="specserve.engine"):
         assert [failing.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:3]] == plain_one
     assert "EAGLE-3 2-step chain failed" in caplog.text and "no C++ compiler found" in caplog.text
+
+
+def test_offline_warm_up_compiles_every_width_at_batch_one(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM.warm_compiled(max_batch=1)` (what `bench acceptance` runs before timing): every tree width a lookup
+    drafter can verify, in every engine built so far, and no batched decode."""
+    warmed: list[tuple[int, Bucket]] = []
+    monkeypatch.setattr(CompiledSteps, "warm", lambda self, bucket, capture: warmed.append((id(self), bucket)))
+    spec = SpeculativeConfig.resolve("NGRAM", num_draft_tokens=3)
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", speculative=spec, enforce_eager=False)
+    llm.generate_plain(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    llm.warm_compiled(max_batch=1)
+    plain, spec_steps = (id(e.compiled) for e in llm._engines.values())
+    assert [b for k, b in warmed if k == plain] == [Bucket(1, 1)]
+    assert [b for k, b in warmed if k == spec_steps] == [Bucket(1, q) for q in (1, 2, 3)]  # 3 rows, root included

@@ -198,15 +198,17 @@ class BatchEngine:
             "compiled_drafting": self.drafters.compiled.graphs if self.drafters and self.drafters.compiled else [],
         }
 
-    def warm_compiled(self, progress: bool = True) -> None:
+    def warm_compiled(self, progress: bool = True, max_batch: int | None = None) -> None:
         """Compile, before serving, the buckets a server meets: plain decodes of every batch bucket up to
-        --cuda-graph-max-bs and a single request's trees of every width up to the drafter's widest."""
+        --cuda-graph-max-bs (or `max_batch`) and a single request's trees of every width up to the drafter's
+        widest."""
         if self.compiled is None:
             return
         steps = self.compiled
         capture = self.capture
         wanted: list[tuple[str, Callable[[], None]]] = [(str(b), partial(steps.warm, b, capture))
-                                                        for b in steps.startup_buckets()]
+                                                        for b in steps.startup_buckets()
+                                                        if max_batch is None or b.batch <= max_batch]
         wanted += self.drafters.drafting_warmups() if self.drafters is not None else []
         bar = tqdm(wanted, desc="compiling decode steps", unit="shape", disable=not progress)
         for name, warm in bar:

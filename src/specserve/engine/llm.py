@@ -171,6 +171,12 @@ class LLM:
         """Decode with another drafter on this target (`bench acceptance --reference-draft`)."""
         return self._run("reference", prompts, params, drafters=drafters)
 
+    def warm_compiled(self, max_batch: int | None = None, progress: bool = False) -> None:
+        """Compile every bucket the offline engines built so far can meet up to `max_batch` rows (and each
+        drafter's every tree width), so that calls timed after it compile nothing."""
+        for engine in self._engines.values():
+            engine.warm_compiled(progress, max_batch)
+
     def _run(self, kind: str, prompts: Sequence[str] | Sequence[list[int]],
              params: SamplingParams | Sequence[SamplingParams], on_tokens: OnTokens | None = None,
              drafters: DrafterBuilder | None = None) -> list[GenerationResult]:
