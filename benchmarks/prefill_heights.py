@@ -41,8 +41,8 @@ def main() -> int:
     default = quant.EXACT_ROWS
     padded = {length: quant.padded_rows(length) for length in lengths}  # the height each prompt's products run at
 
-    def prefill_ms(length: int, padded: bool) -> float:
-        quant.EXACT_ROWS = default if padded else EXACT  # read by padded_rows at each product
+    def prefill_ms(length: int, pad: bool) -> float:
+        quant.EXACT_ROWS = default if pad else EXACT  # read by padded_rows at each product
         t0 = time.perf_counter()
         llm.generate([ids[:length]], params)
         return (time.perf_counter() - t0) * 1e3

@@ -54,8 +54,7 @@ def _bf16_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
     if (rows := padded_rows(m)) != m:
         x = F.pad(x, (0, 0, 0, rows - m))  # [rows, K]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:m]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:m]
 
 
 def _bf16_linear_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
