@@ -11,9 +11,10 @@ from specserve.bench.peer_worker import serve, specserve_methods, transformers_m
 from specserve.bench.peers import PeersConfig, run
 
 
-def _ask(methods: dict, model: object, reqs: list[dict]) -> list[dict]:
+def _ask(peer: tuple, reqs: list[dict]) -> list[dict]:
+    methods, model, *compile_all = peer  # transformers has nothing to compile
     out: list[str] = []
-    serve(methods, model, io.StringIO("".join(json.dumps(r) + "\n" for r in reqs)), out.append)  # type: ignore[arg-type]
+    serve(methods, model, io.StringIO("".join(json.dumps(r) + "\n" for r in reqs)), out.append, *compile_all)
     return [json.loads(x) for x in out]
 
 
@@ -24,17 +25,17 @@ def test_worker_protocol_batches_and_greedy_parity(tiny_dir: Path) -> None:
             {"method": "ngram", "prompts": prompts[:1], "batch": 1, "new_tokens": 6},
             {"method": "suffix", "prompts": prompts, "batch": 1, "new_tokens": 6},
             {"method": "suffix", "prompts": prompts, "batch": 1, "new_tokens": 6},
-            {"method": "floor"}]
-    ours = _ask(*specserve_methods(str(tiny_dir), "float32", eager=True, speculative=("ngram", "suffix")), reqs)
-    theirs = _ask(*transformers_methods(str(tiny_dir), "float32"), reqs[:2])
-    one_by_one, batched, ngram, suffix, suffix_again, floor = ours
+            {"method": "floor"}, {"method": "compile", "batch": 3}]
+    ours = _ask(specserve_methods(str(tiny_dir), "float32", eager=True, speculative=("ngram", "suffix")), reqs)
+    theirs = _ask(transformers_methods(str(tiny_dir), "float32"), reqs[:2])
+    one_by_one, batched, ngram, suffix, suffix_again, floor, compiled = ours
     assert [len(o) for o in one_by_one["outputs"]] == [6, 6, 6]
     assert batched["outputs"] == one_by_one["outputs"] == theirs[0]["outputs"] == theirs[1]["outputs"]
     assert ngram["outputs"] == one_by_one["outputs"][:1] and ngram["accept_length"] >= 1.0
     # the suffix cache starts empty at every call: the same prompts again are drafted as the first time
     assert suffix["outputs"] == suffix_again["outputs"] == one_by_one["outputs"]
     assert suffix["accept_length"] == suffix_again["accept_length"]
-    assert one_by_one["accept_length"] is None and floor["floor_ms"] > 0
+    assert one_by_one["accept_length"] is None and floor["floor_ms"] > 0 and compiled["seconds"] >= 0
 
 
 def test_peers_run_without_llama_cpp(tiny_dir: Path, tmp_path: Path) -> None:

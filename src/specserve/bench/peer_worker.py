@@ -5,12 +5,13 @@ runs of all peers interleave.
     python -m specserve.bench.peer_worker --system specserve --model demo --dtype float32 --threads 2
 
 Protocol (JSON lines): the worker prints {"ready": true, "load_s"} once loaded; then for each request line
-{"method": "plain" | SPEC | "floor", "prompts": [[ids]], "batch": B, "new_tokens": N} it prints {"seconds",
-"outputs": [[ids]], "accept_length"} (greedy, EOS ignored, the prompts in batches of B, one after another) or
-{"floor_ms"} (the matmul floor of one decode step). SPEC: a speculative method the worker was started with
-(`--speculative ngram,suffix`: specserve takes any `--speculative-algorithm`, lower-cased; transformers only
-`ngram`, its prompt lookup). `--dtype int4` runs a GGUF model's weights in int4 (`--quantization int4`). Logs go
-to stderr.
+{"method": "plain" | SPEC | "floor" | "compile", "prompts": [[ids]], "batch": B, "new_tokens": N} it prints
+{"seconds", "outputs": [[ids]], "accept_length"} (greedy, EOS ignored, the prompts in batches of B, one after
+another), {"floor_ms"} (the matmul floor of one decode step) or, for "compile", {"seconds"} once every compiled
+bucket up to B rows and every drafter's verify width is compiled (nothing to do for eager peers). SPEC: a
+speculative method the worker was started with (`--speculative ngram,suffix`: specserve takes any
+`--speculative-algorithm`, lower-cased; transformers only `ngram`, its prompt lookup). `--dtype int4` runs a
+GGUF model's weights in int4 (`--quantization int4`). Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ SYSTEMS = ("specserve", "specserve-eager", "transformers")
 
 # (prompts' ids, new tokens) -> (outputs' ids, accept length per verify step over all prompts; empty when plain)
 Decode = Callable[[list[list[int]], int], tuple[list[list[int]], list[int]]]
+# max rows -> None: compiles what timed calls could meet (specserve's `LLM.warm_compiled`)
+Compile = Callable[[int], None]
 
 
 def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
@@ -54,7 +57,7 @@ def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
 
 
 def specserve_methods(model: str, dtype: str, eager: bool,
-                      speculative: tuple[str, ...] = ("ngram",)) -> tuple[dict[str, Decode], nn.Module]:
+                      speculative: tuple[str, ...] = ("ngram",)) -> tuple[dict[str, Decode], nn.Module, Compile]:
     from specserve.config import SpeculativeConfig
     from specserve.engine.llm import LLM, default_draft_dtype
     from specserve.speculative.factory import DrafterBuilder, plan_drafter
@@ -83,7 +86,12 @@ def specserve_methods(model: str, dtype: str, eager: bool,
 
         return decode
 
-    return {"plain": plain, **{m: drafting(m) for m in speculative}}, llm.model
+    methods = {"plain": plain, **{m: drafting(m) for m in speculative}}
+
+    def compile_all(max_batch: int) -> None:  # widths a lookup drafter meets vary with the text: compile all now
+        llm.warm_compiled(max_batch=max_batch)
+
+    return methods, llm.model, compile_all
 
 
 def transformers_methods(model: str, dtype: str,
@@ -118,12 +126,19 @@ def transformers_methods(model: str, dtype: str,
     return {"plain": run, **({"ngram": lookup} if "ngram" in speculative else {})}, target
 
 
-def serve(methods: dict[str, Decode], model: nn.Module, lines: Any, write: Callable[[str], None]) -> None:
+def serve(methods: dict[str, Decode], model: nn.Module, lines: Any, write: Callable[[str], None],
+          compile_all: Compile | None = None) -> None:
     """Answer request lines until stdin closes."""
     for line in lines:
         req = json.loads(line)
         if req["method"] == "floor":
             write(json.dumps({"floor_ms": matmul_floor_ms(model)}))
+            continue
+        if req["method"] == "compile":
+            t0 = time.perf_counter()
+            if compile_all is not None:
+                compile_all(int(req["batch"]))
+            write(json.dumps({"seconds": time.perf_counter() - t0}))
             continue
         decode, prompts, batch = methods[req["method"]], req["prompts"], int(req["batch"])
         outs, accepts, seconds = [], [], 0.0
@@ -148,18 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     speculative = tuple(m for m in a.speculative.split(",") if m)
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
+    compile_all: Compile | None = None
     if a.system == "transformers":
         methods, model = transformers_methods(a.model, a.dtype, speculative)
     else:
-        methods, model = specserve_methods(a.model, a.dtype, eager=a.system == "specserve-eager",
-                                           speculative=speculative)
+        methods, model, compile_all = specserve_methods(a.model, a.dtype, eager=a.system == "specserve-eager",
+                                                        speculative=speculative)
 
     def write(text: str) -> None:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
 
     write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0}))
-    serve(methods, model, sys.stdin, write)
+    serve(methods, model, sys.stdin, write, compile_all)
     return 0
 
 

@@ -179,9 +179,9 @@ class Peers:
         return [(b, d, t) for b in self.cfg.batches for d in self.cfg.dtypes for t in self.cfg.threads]
 
     def warm(self, progress: bool = True) -> dict[str, float]:
-        """One untimed pass of every worker's runs: compiles every bucket specserve's compiled steps meet. The
-        largest batch goes first: the offline engine sizes its KV pool to the batch and a larger batch later would
-        rebuild it (its compiled steps with it)."""
+        """One untimed pass of every worker's runs, then a compile of every bucket and verify width they could
+        meet (lookup drafters' widths vary with the text). The largest batch goes first: the offline engine sizes
+        its KV pool to the batch and a larger batch later would rebuild it (its compiled steps with it)."""
         seconds: dict[str, float] = {}
         bar = tqdm(self.workers.items(), desc="warming peers", unit="worker", disable=not progress)
         for (system, dtype, threads), w in bar:
@@ -191,6 +191,7 @@ class Peers:
             for method in self.methods(system, 1) if 1 in self.cfg.batches else []:
                 if method != "plain":
                     t += w.ask(method, self.batch_prompts(1), 1, self.cfg.new_tokens)["seconds"]
+            t += w.ask("compile", batch=max(self.cfg.batches))["seconds"]
             seconds[f"{system}/{dtype}/t{threads}"] = round(w.load_s + t, 1)
         return seconds
 
