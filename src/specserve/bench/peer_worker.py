@@ -86,12 +86,7 @@ def specserve_methods(model: str, dtype: str, eager: bool,
 
         return decode
 
-    methods = {"plain": plain, **{m: drafting(m) for m in speculative}}
-
-    def compile_all(max_batch: int) -> None:  # widths a lookup drafter meets vary with the text: compile all now
-        llm.warm_compiled(max_batch=max_batch)
-
-    return methods, llm.model, compile_all
+    return {"plain": plain, **{m: drafting(m) for m in speculative}}, llm.model, llm.warm_compiled
 
 
 def transformers_methods(model: str, dtype: str,

@@ -179,8 +179,8 @@ class Peers:
         return [(b, d, t) for b in self.cfg.batches for d in self.cfg.dtypes for t in self.cfg.threads]
 
     def warm(self, progress: bool = True) -> dict[str, float]:
-        """One untimed pass of every worker's runs, then a compile of every bucket and verify width they could
-        meet (lookup drafters' widths vary with the text). The largest batch goes first: the offline engine sizes
+        """One untimed pass of every worker's runs, then a compile of every verify width a drafter could meet at
+        batch 1 (lookup drafters' widths vary with the text). The largest batch goes first: the offline engine sizes
         its KV pool to the batch and a larger batch later would rebuild it (its compiled steps with it)."""
         seconds: dict[str, float] = {}
         bar = tqdm(self.workers.items(), desc="warming peers", unit="worker", disable=not progress)
@@ -188,10 +188,11 @@ class Peers:
             t = 0.0
             for batch in sorted(self.cfg.batches, reverse=True):
                 t += w.ask("plain", self.batch_prompts(batch), batch, self.cfg.new_tokens)["seconds"]
-            for method in self.methods(system, 1) if 1 in self.cfg.batches else []:
-                if method != "plain":
-                    t += w.ask(method, self.batch_prompts(1), 1, self.cfg.new_tokens)["seconds"]
-            t += w.ask("compile", batch=max(self.cfg.batches))["seconds"]
+            drafting = [m for m in (self.methods(system, 1) if 1 in self.cfg.batches else []) if m != "plain"]
+            for method in drafting:
+                t += w.ask(method, self.batch_prompts(1), 1, self.cfg.new_tokens)["seconds"]
+            if drafting:  # drafters run at batch 1 only; the pass above met every plain batch already
+                t += w.ask("compile", batch=1)["seconds"]
             seconds[f"{system}/{dtype}/t{threads}"] = round(w.load_s + t, 1)
         return seconds
 
