@@ -8,9 +8,9 @@ float32, `generate` with its KV cache). Per arm, in one process and interleaved 
 round): greedy decoding of `--max-new-tokens` tokens, EOS ignored, on chat coding prompts at batch 1 (four
 prompts one by one) and batch 16 (one batch). Then the verify-width cost curve: one target forward of Q new
 tokens over a 128-token context (the engine's own pass, as the adaptive profile times it), best of 5, for
-Q = 1, 2, 4, 8, 16, 32 and for 16 rows of one token; eager for every mode, compiled for `--compiled-curve` modes.
-Also the per-width kernel table behind `layers/quant.WIDE_ROWS`: the 30 layers' projections alone at each width
-through each kernel. And greedy agreement: each task decoded alone (32 tokens) by every arm, against float32.
+Q = 1, 2, 4, 8, 16, 32 and for 16 rows of one token; eager for every mode, compiled for `--compiled-curve` modes
+(the per-width kernel table is `benchmarks/qkernel_widths.py`). And greedy agreement: each task decoded alone
+(32 tokens) by every arm, against float32.
 Prints one JSON object with the ratios the real-target goals name. `--agreement-only` runs the agreement part
 alone, eager (a minute).
 """
@@ -32,7 +32,6 @@ from specserve.engine.adaptive.measure import profile_forward
 from specserve.engine.compiled import CompiledSteps
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
-from specserve.layers.quant import GROUP, QuantLinear, bf16_linear
 from specserve.models.gguf_dir import smollm2_gguf
 from specserve.types import SamplingParams
 
@@ -75,30 +74,6 @@ def width_curve(llm: LLM, eager: bool) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         out[f"{b}x{q}"] = round(min(times) * 1e3, 2)
     return out
-
-
-def kernel_table(llm: LLM) -> dict[str, dict[int, float]]:
-    """ms of the 30 layers' projections at M rows through each kernel of the int4 and int8 modules, and bf16."""
-    mods = [m for m in llm.model.modules() if isinstance(m, QuantLinear)]
-    table: dict[str, dict[int, float]] = {}
-    kinds = {"narrow": lambda m, x: (torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, GROUP, m.scales)
-                                     if m.kind == "int4" else torch.ops.aten._weight_int8pack_mm(x, m.packed,
-                                                                                                 m.scales)),
-             "bf16": lambda m, x: bf16_linear(x, m.dense_weight)}
-    for name, fn in kinds.items():
-        table[name] = {}
-        for rows in WIDTHS:
-            xs = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in mods}
-            for m in mods:
-                fn(m, xs[m.in_features])
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for m in mods:
-                    fn(m, xs[m.in_features])
-                times.append(time.perf_counter() - t0)
-            table[name][rows] = round(min(times) * 1e3, 2)
-    return table
 
 
 def agreement(llms: dict[str, LLM], ids: list[list[int]]) -> dict[str, Any]:
@@ -197,7 +172,6 @@ def main() -> None:
     curves = {arm: {"eager": width_curve(llm, eager=True)} for arm, llm in llms.items()}
     for arm in a.compiled_curve or ["int4"]:
         curves[arm]["compiled"] = width_curve(llms[arm], eager=False)
-    kernels = {arm: kernel_table(llms[arm]) for arm in ("int4", "int8")}
     agree_all = agreement(llms, ids)
     ref = tokens[("float32", 1)]
     agree = {arm: sum(t[:32] == r[:32] for t, r in zip(tokens[(arm, 1)], ref, strict=True))
@@ -209,7 +183,6 @@ def main() -> None:
         "tok_s": {arm: {f"batch{b}": round(med(arm, b), 1) for b in (1, 16)} for arm in arms},
         "tok_s_rounds": {f"{arm} b{b}": [round(x, 1) for x in v] for (arm, b), v in speed.items()},
         "verify_width_ms": curves,
-        "kernel_ms_30_layers": kernels,
         "greedy_first32_same_as_float32_batch1": {arm: f"{n}/{len(ref)}" for arm, n in agree.items()},
         "greedy_first32_vs_float32_each_task": agree_all,
         "goals": {

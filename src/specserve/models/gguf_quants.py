@@ -81,6 +81,13 @@ def q4_blocks(raw: np.ndarray, kind: str, n: int, k: int) -> Q4Blocks:
     raise ValueError(f"{kind} is not a 4-bit block type")
 
 
+def q8_blocks(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor [N, K] as blocks: (q [N, K] int8, d [N, K/32] float32); w = d * q."""
+    b = _blocks(raw, "Q8_0", n, k)
+    q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k))
+    return q, _fp16(b[..., 0:2])
+
+
 def dequantize(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Any `SUPPORTED` tensor -> float32 of `shape` (numpy order: the last dimension is contiguous)."""
     if kind == "F32" or kind == "F16":

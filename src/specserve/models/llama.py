@@ -16,6 +16,7 @@ from specserve.config import ModelConfig
 from specserve.kv.view import KVView
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm, rms_norm_rows
+from specserve.layers.qkernel import load_kernel
 from specserve.layers.rope import RotaryEmbedding, apply_rope
 
 
@@ -39,6 +40,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        load_kernel()  # built and loaded before any step is traced (a compiled graph cannot build it)
 
     def forward(
         self,

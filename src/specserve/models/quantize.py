@@ -1,9 +1,10 @@
 """`--quantization auto|none|int4|int8`: a transform that swaps a loaded model's projections for `QuantLinear`s.
 
 int4 takes a GGUF's Q4_0/Q4_1 blocks as they are stored (no re-quantizing; `models/gguf_quants.py`), and
-quantizes any other weight to the same block form; int8 quantizes per output channel. The LM head (in a tied
-model also the embedding, which stays float) multiplies in bf16 (`layers/quant.BF16Head`). CPU only: the kernels
-are PyTorch's CPU ones. `auto` is int4 for a GGUF holding 4-bit tensors on the CPU, else none.
+quantizes any other weight to the same block form; int8 takes Q8_0 blocks as stored and cuts any other weight
+into them. The LM head multiplies in int8 (`layers/quant.QuantHead`), from the file's Q8_0 blocks where it has
+them (SmolLM2's tied embedding); the embedding lookup stays float. CPU only (`layers/csrc/qmatmul.cpp`).
+`auto` is int4 for a GGUF holding 4-bit tensors on the CPU, else none.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.layers.quant import GROUP, BF16Head, QuantLinear, quantize_q4
+from specserve.layers.qkernel import pack_q8, quantize_q8
+from specserve.layers.quant import GROUP, QuantHead, QuantLinear, quantize_q4
 from specserve.models.gguf import GGUFModel
 from specserve.models.gguf_dir import gguf_tensor_types
 from specserve.models.gguf_quants import Q4Blocks
@@ -44,11 +46,12 @@ def resolve_quantization(name: str | None, model_dir: Path, device: torch.device
 
 def quantize_model(model: nn.Module, mode: str, source: GGUFModel | None = None) -> int:
     """Swap every decoder projection of `model` (a loaded `CausalLM`) for a `QuantLinear` of `mode` and its LM
-    head for a `BF16Head`; returns how many projections were swapped (0 for `none`). `source`: the GGUF the
-    weights came from, whose 4-bit blocks int4 takes as they are."""
+    head for an int8 `QuantHead`; returns how many projections were swapped (0 for `none`). `source`: the GGUF
+    the weights came from, whose blocks are taken as they are stored."""
     if mode == "none":
         return 0
-    blocks = source.q4() if source is not None and mode == "int4" else {}
+    q4 = source.q4() if source is not None and mode == "int4" else {}
+    q8 = source.q8() if source is not None else {}
     swapped = 0
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
@@ -56,19 +59,24 @@ def quantize_model(model: nn.Module, mode: str, source: GGUFModel | None = None)
             continue
         parent = model.get_submodule(name.rpartition(".")[0])
         bias = module.bias.detach() if module.bias is not None else None
+        parts = [f"{name.rpartition('.')[0]}.{p}.weight" for p in _PARTS.get(leaf, (leaf,))]
         if mode == "int4":
-            parts = [f"{name.rpartition('.')[0]}.{p}.weight" for p in _PARTS.get(leaf, (leaf,))]
-            if all(p in blocks for p in parts):
-                b = Q4Blocks.cat([blocks[p] for p in parts])
+            if all(p in q4 for p in parts):
+                b = Q4Blocks.cat([q4[p] for p in parts])
                 q, d, m = b.q, b.d, b.m
             else:
                 q, d, m = quantize_q4(module.weight.detach())
             new = QuantLinear.from_int4(q, d, m, bias)
+        elif all(p in q8 for p in parts):
+            new = QuantLinear.from_q8(torch.cat([q8[p][0] for p in parts]), torch.cat([q8[p][1] for p in parts]), bias)
         else:
             new = QuantLinear.from_int8(module.weight.detach(), bias)
         setattr(parent, leaf, new)
         swapped += 1
     head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Linear):
-        model.lm_head = BF16Head(head)
+    if isinstance(head, nn.Linear) and head.bias is None and head.in_features % GROUP == 0:
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        stored = q8.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        q, d = stored if stored is not None else quantize_q8(head.weight.detach())
+        model.lm_head = QuantHead(pack_q8(q, d), head.weight)
     return swapped

@@ -108,8 +108,8 @@ def profile_key(engine: ProfiledEngine) -> str:
         # the projections' storage order (models/layout.py): the same weights multiply at another speed
         "weight_strides": None if proj is None else list(proj.weight.stride()),
         "head": type(engine.model.lm_head).__name__,  # one layout or two (models/layout.py), or bf16
-        # weight-only quantized projections (layers/quant.py): their kernels and the width they switch at
-        "quantization": next(([m.kind, m.wide_rows] for m in engine.model.modules() if isinstance(m, QuantLinear)),
+        # weight-only quantized projections (layers/quant.py): their kind and whether the C++ kernel runs them
+        "quantization": next(([m.kind, m.kernel] for m in engine.model.modules() if isinstance(m, QuantLinear)),
                              None),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]

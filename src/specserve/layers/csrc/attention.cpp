@@ -1,0 +1,186 @@
+// Row-invariant attention for the CPU: each query row is computed on its own, over the keys its mask admits,
+// with the same float operations whatever the number of query rows, of padded keys or of threads. So a token's
+// output in a 16-token verify equals its output in a one-token step bit for bit (SDPA's kernels block the
+// queries and can round differently with the row count).
+//
+// Per row, over the keys its mask admits, taken in key order as a compact list (k = 0, 1, ...), so neither
+// masked keys nor where the admitted ones sit change anything:
+//   s_k = scale * dot(q, key_k) (lanes of 16 over the head dimension, then a fixed pairwise tree);
+//   p_k = exp(s_k - max) (a polynomial exp, the same in every build);
+//   out_c = (sum_k p_k v_kc in order of k) / (sum of p_k in lanes k % 16, then the tree).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace {
+
+constexpr int L = 16;
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+#define SPECSERVE_INLINE __attribute__((always_inline)) inline
+SPECSERVE_INLINE v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+SPECSERVE_INLINE void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+SPECSERVE_INLINE v16 splat(float x) { return v16{} + x; }
+
+// Lanes summed by a fixed pairwise tree (16 -> 8 -> 4 -> 2 -> 1).
+SPECSERVE_INLINE float hsum(v16 a) {
+  const v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  const float e0 = c[0] + c[2], e1 = c[1] + c[3];
+  return e0 + e1;
+}
+
+// exp(x) for -87 <= x <= 0, lane-wise float operations only (no libm, no compares), so every build rounds alike:
+// x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n through the exponent bits.
+SPECSERVE_INLINE v16 exp_fixed(v16 x) {
+  const v16 t = x * 1.44269504088896341f + 12582912.f;  // round to nearest through the 1.5*2^23 bias
+  const v16 n = t - 12582912.f;
+  const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  return p * (v16)bits;  // vector casts reinterpret the bits
+}
+
+// One query row over the n keys it admits: q [nd * 16], keys/values [*, nd * 16], idx [n] their rows (in key
+// order), s [n rounded up to 16]. The k-th admitted key always takes lane k % 16, whichever slot it sits in, so
+// a tree verify (siblings' slots in between) computes what the compact one-token step computes.
+template <int ND>
+SPECSERVE_INLINE void row_body(const float* qi, const float* kb, const float* vb, const int32_t* idx, int64_t n,
+                               int nd_rt, float sc, float* s, float* oi) {
+  const int nd = ND ? ND : nd_rt;
+  if (n == 0) {  // no key admitted: zeros, as a guard
+    for (int c = 0; c < nd * L; ++c) oi[c] = 0.f;
+    return;
+  }
+  v16 qv[16];
+  for (int c = 0; c < nd; ++c) qv[c] = load(qi + c * L);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t k = 0; k < n; ++k) {
+    const float* kj = kb + static_cast<int64_t>(idx[k]) * nd * L;
+    v16 a = qv[0] * load(kj);
+    for (int c = 1; c < nd; ++c) a += qv[c] * load(kj + c * L);
+    s[k] = hsum(a) * sc;
+    mx = s[k] > mx ? s[k] : mx;
+  }
+  const int64_t np = (n + L - 1) / L * L;
+  for (int64_t k = 0; k < n; ++k) {  // s_k - max, clamped where exp underflows anyway
+    const float x = s[k] - mx;
+    s[k] = x < -87.f ? -87.f : x;
+  }
+  for (int64_t k = n; k < np; ++k) s[k] = 0.f;
+  for (int64_t k0 = 0; k0 < np; k0 += L) store(s + k0, exp_fixed(load(s + k0)));
+  for (int64_t k = n; k < np; ++k) s[k] = 0.f;
+  v16 tot{};
+  for (int64_t k0 = 0; k0 < np; k0 += L) tot += load(s + k0);
+  v16 o[16];
+  for (int c = 0; c < nd; ++c) o[c] = v16{};
+  for (int64_t k = 0; k < n; ++k) {
+    const v16 p = splat(s[k]);
+    const float* vj = vb + static_cast<int64_t>(idx[k]) * nd * L;
+    for (int c = 0; c < nd; ++c) o[c] += p * load(vj + c * L);
+  }
+  const v16 inv = splat(1.f / hsum(tot));
+  for (int c = 0; c < nd; ++c) store(oi + c * L, o[c] * inv);
+}
+
+// The same body built for AVX512 and for the baseline; the generic vectors give the same lane-wise float
+// operations in both (no contraction into FMAs: -ffp-contract=off).
+#define SPECSERVE_ROW_FNS(ND)                                                                                 \
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void row_avx512_##ND(                         \
+      const float* qi, const float* kb, const float* vb, const int32_t* idx, int64_t n, int nd, float sc,      \
+      float* s, float* oi) {                                                                                  \
+    row_body<ND>(qi, kb, vb, idx, n, nd, sc, s, oi);                                                          \
+  }                                                                                                           \
+  void row_base_##ND(const float* qi, const float* kb, const float* vb, const int32_t* idx, int64_t n, int nd, \
+                     float sc, float* s, float* oi) {                                                         \
+    row_body<ND>(qi, kb, vb, idx, n, nd, sc, s, oi);                                                          \
+  }
+SPECSERVE_ROW_FNS(0)
+SPECSERVE_ROW_FNS(4)
+SPECSERVE_ROW_FNS(8)
+#undef SPECSERVE_ROW_FNS
+
+using RowFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int, float, float*,
+                       float*);
+
+RowFn pick_row(int nd) {
+  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (nd == 4) return wide ? row_avx512_4 : row_base_4;
+  if (nd == 8) return wide ? row_avx512_8 : row_base_8;
+  return wide ? row_avx512_0 : row_base_0;
+}
+
+// q [B, Hq, Q, D], k/v [B, Hkv, K, D] float32; mask [B|1, 1, Q, K] bool or undefined -> [B, Hq, Q, D].
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend_rows: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attend_rows: float32 only");
+  const int64_t b = q.size(0), hq = q.size(1), nq = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(1), nk = k.size(2);
+  TORCH_CHECK(k.size(0) == b && v.sizes() == k.sizes() && k.size(3) == d && hq % hkv == 0,
+              "attend_rows: shapes do not match");
+  TORCH_CHECK(d % L == 0 && d <= 16 * L, "attend_rows: the head dimension must be a multiple of 16, at most 256");
+  const int64_t nkp = (nk + L - 1) / L * L;
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor mc;
+  int64_t mask_b = 0;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->to(at::kBool).contiguous();
+    TORCH_CHECK(mc.dim() == 4 && mc.size(1) == 1 && mc.size(2) == nq && mc.size(3) == nk &&
+                (mc.size(0) == b || mc.size(0) == 1), "attend_rows: mask must be [B|1, 1, Q, K]");
+    mask_b = mc.size(0) == 1 ? 0 : nq * nk;
+  }
+  at::Tensor out = at::empty({b, hq, nq, d}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t group = hq / hkv;
+  const float sc = static_cast<float>(scale);
+  const int nd = static_cast<int>(d / L);
+  const RowFn row = pick_row(nd);
+  at::parallel_for(0, b * hq * nq, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> s(nkp);
+    std::vector<int32_t> idx(nk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = r % nq, h = (r / nq) % hq, bi = r / (nq * hq), kh = h / group;
+      const bool* mi = mp ? mp + bi * mask_b + i * nk : nullptr;
+      int64_t n = 0;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!mi || mi[j]) idx[n++] = static_cast<int32_t>(j);
+      }
+      row(qp + r * d, kp + (bi * hkv + kh) * nk * d, vp + (bi * hkv + kh) * nk * d, idx.data(), n, nd, sc,
+          s.data(), op + r * d);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve_q, lib) {
+  lib.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) { lib.impl("attend_rows", attend_rows); }

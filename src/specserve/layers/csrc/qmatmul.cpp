@@ -1,0 +1,343 @@
+// Quantized products for the CPU: y[M, N] = x[M, K] . W[N, K]^T with W in GGUF-style blocks of 32 along K
+// (Q4_1: w = d*q + m, q in 0..15; Q8_0: w = d*q, q in -127..127), every width from one row up.
+//
+// Activations are quantized per row and block of 32 to int8 (xd = amax/127), as llama.cpp's Q8 activations are,
+// so each block's dot product is an exact integer sum. Weights are laid out 16 output channels at a time
+// ("groups"): a group's block is 16 lanes x 32 bytes, one int32 lane per channel holding 4 consecutive k, which
+// is what one VNNI dot product (vpdpbusd) consumes. A weight block is loaded and unpacked once and used for up to
+// 8 rows, and a group's weights stay in L1 across row chunks, so rows cost arithmetic, not memory.
+//
+// Row invariance: every path computes each (row, channel) output with the same float operations in the same
+// order (per block: t = wd*xd; acc = fma(isum, t, acc); acc = fma(wm, xs, acc)), independent of how many rows
+// are multiplied together and of which path runs, so a row's result is bit-identical alone or in a batch.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SPECSERVE_X86 1
+#endif
+
+namespace {
+
+constexpr int BLK = 32;   // weights per block along K
+constexpr int LANES = 16; // output channels per group
+constexpr int MAXR = 8;   // rows per chunk
+
+enum Kind : int64_t { Q4 = 4, Q8 = 8 };
+enum Path : int64_t { AUTO = 0, SCALAR = 1, AVX512VNNI = 2 };
+
+// Per row and block: int8 values (Q8 weights take them offset by 128, as unsigned bytes), the scale and, for the
+// Q4_1 zero-point term, the block's sum (xd * sum(q)).
+struct QuantRows {
+  at::Tensor q;   // [M, K] int8 (or uint8 holding q + 128)
+  at::Tensor d;   // [M, K/32] float32
+  at::Tensor s;   // [M, K/32] float32
+};
+
+inline void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, bool offset) {
+  float amax = 0.f;
+  for (int i = 0; i < BLK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float xd = amax / 127.f;
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < BLK; ++i) {
+    int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * id));
+    v = v > 127 ? 127 : (v < -127 ? -127 : v);
+    sum += v;
+    q[i] = static_cast<int8_t>(offset ? (v ^ 0x80) : v);  // v ^ 0x80 as a byte is v + 128
+  }
+  *d = xd;
+  *s = xd * static_cast<float>(sum);
+}
+
+#ifdef SPECSERVE_X86
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+inline void quant_block_avx512(const float* x, int8_t* q, float* d, float* s, bool offset) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float xd = amax / 127.f;
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 vid = _mm512_set1_ps(id);
+  // cvtps rounds to nearest even under the default MXCSR, as nearbyint does; |x * id| <= 127 needs no clamp
+  // beyond the scalar path's, which only guards the same bound
+  __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
+  __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  qa = _mm512_min_epi32(_mm512_max_epi32(qa, lo), hi);
+  qb = _mm512_min_epi32(_mm512_max_epi32(qb, lo), hi);
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  if (offset) {
+    const __m512i off = _mm512_set1_epi32(0x80);
+    qa = _mm512_xor_si512(qa, off);
+    qb = _mm512_xor_si512(qb, off);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *d = xd;
+  *s = xd * static_cast<float>(sum);
+}
+
+bool has_avx512vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#else
+bool has_avx512vnni() { return false; }
+#endif
+
+QuantRows quantize_rows(const at::Tensor& x, bool offset, bool vnni) {
+  const int64_t m = x.size(0), k = x.size(1), nb = k / BLK;
+  QuantRows r{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
+              at::empty({m, nb}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = r.q.data_ptr<int8_t>();
+  float* dp = r.d.data_ptr<float>();
+  float* sp = r.s.data_ptr<float>();
+  for (int64_t i = 0; i < m * nb; ++i) {
+#ifdef SPECSERVE_X86
+    if (vnni) {
+      quant_block_avx512(xp + i * BLK, qp + i * BLK, dp + i, sp + i, offset);
+      continue;
+    }
+#endif
+    quant_block_scalar(xp + i * BLK, qp + i * BLK, dp + i, sp + i, offset);
+  }
+  return r;
+}
+
+// Weight layout, per group g and block b (gb = g * nb + b):
+//   Q4: 256 bytes = [4 (j), 16 (lane), 4 (t)], low nibble k = 8j + t, high nibble k = 8j + 4 + t;
+//   Q8: 512 bytes = [8 (p), 16 (lane), 4 (t)], k = 4p + t, int8;
+//   scales: fp16 [16] d per gb (and [16] m for Q4); Q8 also int32 [16] corr = 128 * sum(q) per gb.
+struct Weights {
+  const uint8_t* w;
+  const c10::Half* d;
+  const c10::Half* m;    // Q4 only
+  const int32_t* corr;   // Q8 only
+  int64_t nb;
+};
+
+void scalar_group(const Weights& W, int kind, int64_t g, const QuantRows& X, int64_t r0, int64_t rows,
+                  float* y, int64_t ldy) {
+  const int64_t nb = W.nb, k = nb * BLK;
+  const int8_t* xq = X.q.data_ptr<int8_t>();
+  const float* xd = X.d.data_ptr<float>();
+  const float* xs = X.s.data_ptr<float>();
+  for (int64_t r = r0; r < r0 + rows; ++r) {
+    float acc[LANES] = {0.f};
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t gb = g * nb + b;
+      const int8_t* xb = xq + r * k + b * BLK;
+      const float rd = xd[r * nb + b], rs = xs[r * nb + b];
+      for (int l = 0; l < LANES; ++l) {
+        int32_t isum = 0;
+        if (kind == Q4) {
+          const uint8_t* wb = W.w + gb * 256;
+          for (int j = 0; j < 4; ++j) {
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = wb[(j * LANES + l) * 4 + t];
+              isum += static_cast<int32_t>(byte & 0x0F) * xb[8 * j + t];
+              isum += static_cast<int32_t>(byte >> 4) * xb[8 * j + 4 + t];
+            }
+          }
+        } else {
+          const int8_t* wb = reinterpret_cast<const int8_t*>(W.w + gb * 512);
+          for (int p = 0; p < 8; ++p) {
+            for (int t = 0; t < 4; ++t) {
+              isum += static_cast<int32_t>(static_cast<uint8_t>(xb[4 * p + t])) * wb[(p * LANES + l) * 4 + t];
+            }
+          }
+          isum -= W.corr[gb * LANES + l];
+        }
+        const float tsc = static_cast<float>(W.d[gb * LANES + l]) * rd;
+        acc[l] = std::fmaf(static_cast<float>(isum), tsc, acc[l]);
+        if (kind == Q4) acc[l] = std::fmaf(static_cast<float>(W.m[gb * LANES + l]), rs, acc[l]);
+      }
+    }
+    std::memcpy(y + r * ldy + g * LANES, acc, sizeof(acc));
+  }
+}
+
+#ifdef SPECSERVE_X86
+// s += dot4(u8 w, s8 broadcast *x) per lane, the broadcast taken from memory by the instruction itself (the
+// intrinsic form made the compiler emit one separate broadcast per product)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+inline void dpbusd_bcast(__m512i& s, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %[x]%{1to16%}, %[w], %[s]" : [s] "+v"(s) : [w] "v"(w), [x] "m"(*x));
+}
+
+template <int R, int KIND>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+void vnni_chunk(const Weights& W, int64_t g, const int8_t* xq, const float* xd, const float* xs, int64_t r0,
+                float* y, int64_t ldy) {
+  const int64_t nb = W.nb, k = nb * BLK;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t gb = g * nb + b;
+    __m512i w[8];
+    if (KIND == Q4) {
+      const uint8_t* wb = W.w + gb * 256;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(wb + j * 64);
+        w[2 * j] = _mm512_and_si512(v, low);
+        w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      const uint8_t* wb = W.w + gb * 512;
+      for (int p = 0; p < 8; ++p) w[p] = _mm512_loadu_si512(wb + p * 64);
+    }
+    const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.d + gb * LANES)));
+    __m512 wm = _mm512_setzero_ps();
+    __m512i corr = _mm512_setzero_si512();
+    if (KIND == Q4) {
+      wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.m + gb * LANES)));
+    } else {
+      corr = _mm512_loadu_si512(W.corr + gb * LANES);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xb = reinterpret_cast<const int32_t*>(xq + (r0 + r) * k + b * BLK);
+      // two chains of four dot products, so that rows overlap less on the instruction's latency
+      __m512i s = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int p = 0; p < 8; p += 2) {
+        // Q4: unsigned weights (0..15) times signed activations; Q8: activations + 128 (unsigned) times weights
+        if (KIND == Q4) {
+          dpbusd_bcast(s, w[p], xb + p);
+          dpbusd_bcast(s1, w[p + 1], xb + p + 1);
+        } else {
+          s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xb[p]), w[p]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(xb[p + 1]), w[p + 1]);
+        }
+      }
+      s = _mm512_add_epi32(s, s1);
+      if (KIND == Q8) s = _mm512_sub_epi32(s, corr);
+      const int64_t rb = (r0 + r) * nb + b;
+      const __m512 tsc = _mm512_mul_ps(wd, _mm512_set1_ps(xd[rb]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), tsc, acc[r]);
+      if (KIND == Q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy + g * LANES, acc[r]);
+}
+
+template <int KIND>
+void vnni_group(const Weights& W, int64_t g, const QuantRows& X, int64_t m, float* y, int64_t ldy) {
+  const int8_t* xq = X.q.data_ptr<int8_t>();
+  const float* xd = X.d.data_ptr<float>();
+  const float* xs = X.s.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < m; r0 += MAXR) {
+    switch (std::min<int64_t>(MAXR, m - r0)) {
+      case 1: vnni_chunk<1, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      case 2: vnni_chunk<2, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      case 3: vnni_chunk<3, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      case 4: vnni_chunk<4, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      case 5: vnni_chunk<5, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      case 6: vnni_chunk<6, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      case 7: vnni_chunk<7, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+      default: vnni_chunk<8, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
+    }
+  }
+}
+#endif
+
+bool use_vnni(int64_t path) {
+  TORCH_CHECK(path == AUTO || path == SCALAR || path == AVX512VNNI, "qmatmul: unknown path ", path);
+  if (path == AVX512VNNI) {
+    TORCH_CHECK(has_avx512vnni(), "qmatmul: this CPU has no AVX512-VNNI");
+    return true;
+  }
+  return path == AUTO && has_avx512vnni();
+}
+
+// x [M, K] float32; w packed uint8; d/m fp16 [G, nb, 16]; corr int32 [G, nb, 16] (Q8) -> [M, G*16] float32.
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
+                   const at::Tensor& corr, int64_t kind, int64_t path) {
+  TORCH_CHECK(kind == Q4 || kind == Q8, "qmatmul: kind must be 4 or 8, got ", kind);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmatmul: x must be a 2-D float32 tensor");
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == LANES && d.scalar_type() == at::kHalf, "qmatmul: d must be fp16 [G, nb, 16]");
+  const int64_t groups = d.size(0), nb = d.size(1);
+  TORCH_CHECK(x.size(1) == nb * BLK, "qmatmul: x has ", x.size(1), " columns, the weight ", nb * BLK);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == groups * nb * (kind == Q4 ? 256 : 512),
+              "qmatmul: packed weight of the wrong size or type");
+  if (kind == Q4) {
+    TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kHalf && m.is_contiguous(), "qmatmul: m like d");
+  } else {
+    TORCH_CHECK(corr.sizes() == d.sizes() && corr.scalar_type() == at::kInt && corr.is_contiguous(),
+                "qmatmul: corr int32 like d");
+  }
+  const bool vnni = use_vnni(path);
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = groups * LANES;
+  at::Tensor y = at::empty({rows, n}, xc.options());
+  if (rows == 0) return y;
+  const QuantRows X = quantize_rows(xc, kind == Q8, vnni);
+  const Weights W{w.data_ptr<uint8_t>(), d.contiguous().data_ptr<c10::Half>(),
+                  kind == Q4 ? m.data_ptr<c10::Half>() : nullptr, kind == Q8 ? corr.data_ptr<int32_t>() : nullptr,
+                  nb};
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#ifdef SPECSERVE_X86
+      if (vnni) {
+        if (kind == Q4) vnni_group<Q4>(W, g, X, rows, yp, n);
+        else vnni_group<Q8>(W, g, X, rows, yp, n);
+        continue;
+      }
+#endif
+      scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
+    }
+  });
+  return y;
+}
+
+// Rows of a Q8 weight in the packed layout, dequantized: the embedding lookup of a model whose head is the same
+// tensor. ids [T] int64 -> [T, K] float32 (w = d * q exactly).
+at::Tensor q8_rows(const at::Tensor& ids, const at::Tensor& w, const at::Tensor& d) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "q8_rows: ids must be 1-D int64");
+  const int64_t groups = d.size(0), nb = d.size(1), n = groups * LANES, k = nb * BLK;
+  const at::Tensor ic = ids.contiguous();
+  at::Tensor out = at::empty({ic.size(0), k}, d.options().dtype(at::kFloat));
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const int8_t* wp = reinterpret_cast<const int8_t*>(w.data_ptr<uint8_t>());
+  const c10::Half* dp = d.data_ptr<c10::Half>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < ic.size(0); ++i) {
+    const int64_t row = ip[i];
+    TORCH_CHECK(row >= 0 && row < n, "q8_rows: id ", row, " out of range [0, ", n, ")");
+    const int64_t g = row / LANES, l = row % LANES;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t gb = g * nb + b;
+      const float scale = static_cast<float>(dp[gb * LANES + l]);
+      for (int p = 0; p < 8; ++p) {
+        for (int t = 0; t < 4; ++t) {
+          op[i * k + b * BLK + 4 * p + t] = scale * static_cast<float>(wp[gb * 512 + (p * LANES + l) * 4 + t]);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+bool path_available(int64_t path) { return path == SCALAR || (path == AVX512VNNI && has_avx512vnni()); }
+
+}  // namespace
+
+TORCH_LIBRARY(specserve_q, lib) {
+  lib.def("qmatmul(Tensor x, Tensor w, Tensor d, Tensor m, Tensor corr, int kind, int path=0) -> Tensor");
+  lib.def("q8_rows(Tensor ids, Tensor w, Tensor d) -> Tensor");
+  lib.def("path_available(int path) -> bool", path_available);
+}
+
+TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) {
+  lib.impl("qmatmul", qmatmul);
+  lib.impl("q8_rows", q8_rows);
+}

@@ -1,0 +1,124 @@
+"""The CPU kernels (`layers/csrc`): products against dequantize-then-matmul, every path this machine runs bit
+for bit against the scalar one, and row invariance (a row's result alone equals its result among many rows)
+for the products, the PyTorch fallback and attention, including a tree verify's scattered keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.layers import qkernel as qk
+from specserve.layers.attention import attend
+from specserve.layers.quant import QuantLinear, quantize_q4
+
+WIDTHS = (1, 2, 5, 8, 9, 16, 33, 64)
+needs_kernel = pytest.mark.skipif(not qk.load_kernel(), reason="no C++ compiler: the PyTorch fallback only")
+
+
+def _packed(kind: str, n: int = 40, k: int = 96, seed: int = 0) -> tuple[qk.PackedWeight, torch.Tensor]:
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) * 0.1
+    p = qk.pack_q4(*quantize_q4(w)) if kind == "int4" else qk.pack_q8(*qk.quantize_q8(w))
+    return p, w
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_packing_round_trips_the_blocks(kind: str) -> None:
+    p, w = _packed(kind)
+    deq = qk.unpack(p)
+    assert deq.shape == w.shape
+    step = (w.reshape(40, -1, 32).amax(-1) - w.reshape(40, -1, 32).amin(-1)).max()
+    assert (deq - w).abs().max() <= step / (15 if kind == "int4" else 127)  # within one level of the block
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_kernel_matches_dequantize_then_matmul(kind: str) -> None:
+    p, _ = _packed(kind)
+    x = torch.randn(9, 96)
+    ref = x @ qk.unpack(p).t()
+    got = qk.qmatmul(x, p)
+    assert got.shape == (9, 40)
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()  # int8 activations: ~1/254 of each block's range
+    assert torch.allclose(got, qk.reference_qmatmul(x, p), rtol=1e-4, atol=1e-4)  # the same integers
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_every_path_gives_the_scalar_paths_bits(kind: str) -> None:
+    paths = qk.kernel_paths()
+    assert "scalar" in paths
+    p, _ = _packed(kind, n=48, k=128, seed=1)
+    x = torch.randn(19, 128)
+    ref = qk.qmatmul(x, p, "scalar")
+    for path in paths:
+        assert torch.equal(qk.qmatmul(x, p, path), ref), path
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_kernel_rows_are_invariant_to_the_width(kind: str) -> None:
+    p, _ = _packed(kind, n=56, k=64, seed=2)
+    x = torch.randn(max(WIDTHS), 64) * 3
+    alone = torch.cat([qk.qmatmul(x[i:i + 1], p) for i in range(x.shape[0])])
+    for width in WIDTHS:
+        for path in qk.kernel_paths():
+            assert torch.equal(qk.qmatmul(x[:width], p, path), alone[:width]), (width, path)
+
+
+def test_fallback_rows_are_invariant_to_the_width() -> None:
+    p, _ = _packed("int4", seed=3)
+    x = torch.randn(max(WIDTHS), 96)
+    alone = torch.cat([qk.reference_qmatmul(x[i:i + 1], p) for i in range(x.shape[0])])
+    for width in WIDTHS:
+        assert torch.equal(qk.reference_qmatmul(x[:width], p), alone[:width]), width
+
+
+def test_quant_linear_without_the_kernel_runs_the_fallback() -> None:
+    torch.manual_seed(4)
+    lin = QuantLinear.from_int8(torch.randn(24, 64), torch.randn(24))
+    lin.kernel = False
+    x = torch.randn(3, 64)
+    assert torch.equal(lin(x), qk.reference_qmatmul(x, lin.packed()) + lin.bias)
+
+
+def _attention_case(q_len: int, k_len: int, seed: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    q = torch.randn(2, 6, q_len, 64)
+    k, v = torch.randn(2, 2, k_len, 64), torch.randn(2, 2, k_len, 64)
+    mask = torch.ones(2, 1, q_len, k_len, dtype=torch.bool)
+    mask[:, :, :, k_len - q_len:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    return q, k, v, mask
+
+
+@needs_kernel
+def test_attention_matches_sdpa() -> None:
+    q, k, v, mask = _attention_case(7, 40, 5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = attend(q, k, v, mask, 64**-0.5)
+    assert torch.allclose(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_attention_row_alone_equals_the_row_in_a_verify() -> None:
+    q, k, v, mask = _attention_case(16, 45, 6)
+    many = attend(q, k, v, mask, 0.125)
+    for i in range(16):
+        keys = 45 - 16 + i + 1  # a one-token step sees its context and itself, no padding
+        one = attend(q[:, :, i:i + 1], k[:, :, :keys], v[:, :, :keys], None, 0.125)
+        assert torch.equal(one[:, :, 0], many[:, :, i]), i
+
+
+@needs_kernel
+def test_attention_ignores_where_the_admitted_keys_sit() -> None:
+    """A tree verify: a node's ancestors lie among its siblings' slots; the compact sequence gives the same bits."""
+    torch.manual_seed(7)
+    q = torch.randn(1, 3, 1, 64)
+    k, v = torch.randn(1, 1, 50, 64), torch.randn(1, 1, 50, 64)
+    keep = torch.rand(50) < 0.5
+    keep[0] = True
+    mask = keep.view(1, 1, 1, 50)
+    scattered = attend(q, k, v, mask, 0.125)
+    compact = attend(q, k[:, :, keep], v[:, :, keep], None, 0.125)
+    assert torch.equal(scattered, compact)
