@@ -44,7 +44,6 @@ def load_kernel(verbose: bool = False) -> bool:
                       "fallback. Install g++ and ninja, then run scripts/setup.sh.", stacklevel=2)
         return False
     torch.library.register_fake("specserve_q::qmatmul")(_qmatmul_shape)
-    torch.library.register_fake("specserve_q::q8_rows")(_q8_rows_shape)
     torch.library.register_fake("specserve_q::attend_rows")(_attend_shape)
     return True
 
@@ -52,10 +51,6 @@ def load_kernel(verbose: bool = False) -> bool:
 def _qmatmul_shape(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, corr: torch.Tensor,
                    kind: int, path: int = 0) -> torch.Tensor:
     return x.new_empty(x.shape[0], d.shape[0] * LANES)
-
-
-def _q8_rows_shape(ids: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return ids.new_empty(ids.shape[0], d.shape[1] * BLOCK, dtype=torch.float32)
 
 
 def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -299,45 +299,15 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   return y;
 }
 
-// Rows of a Q8 weight in the packed layout, dequantized: the embedding lookup of a model whose head is the same
-// tensor. ids [T] int64 -> [T, K] float32 (w = d * q exactly).
-at::Tensor q8_rows(const at::Tensor& ids, const at::Tensor& w, const at::Tensor& d) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "q8_rows: ids must be 1-D int64");
-  const int64_t groups = d.size(0), nb = d.size(1), n = groups * LANES, k = nb * BLK;
-  const at::Tensor ic = ids.contiguous();
-  at::Tensor out = at::empty({ic.size(0), k}, d.options().dtype(at::kFloat));
-  const int64_t* ip = ic.data_ptr<int64_t>();
-  const int8_t* wp = reinterpret_cast<const int8_t*>(w.data_ptr<uint8_t>());
-  const c10::Half* dp = d.data_ptr<c10::Half>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < ic.size(0); ++i) {
-    const int64_t row = ip[i];
-    TORCH_CHECK(row >= 0 && row < n, "q8_rows: id ", row, " out of range [0, ", n, ")");
-    const int64_t g = row / LANES, l = row % LANES;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t gb = g * nb + b;
-      const float scale = static_cast<float>(dp[gb * LANES + l]);
-      for (int p = 0; p < 8; ++p) {
-        for (int t = 0; t < 4; ++t) {
-          op[i * k + b * BLK + 4 * p + t] = scale * static_cast<float>(wp[gb * 512 + (p * LANES + l) * 4 + t]);
-        }
-      }
-    }
-  }
-  return out;
-}
-
 bool path_available(int64_t path) { return path == SCALAR || (path == AVX512VNNI && has_avx512vnni()); }
 
 }  // namespace
 
 TORCH_LIBRARY(specserve_q, lib) {
   lib.def("qmatmul(Tensor x, Tensor w, Tensor d, Tensor m, Tensor corr, int kind, int path=0) -> Tensor");
-  lib.def("q8_rows(Tensor ids, Tensor w, Tensor d) -> Tensor");
   lib.def("path_available(int path) -> bool", path_available);
 }
 
 TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) {
   lib.impl("qmatmul", qmatmul);
-  lib.impl("q8_rows", q8_rows);
 }
