@@ -122,3 +122,15 @@ def test_attention_ignores_where_the_admitted_keys_sit() -> None:
     scattered = attend(q, k, v, mask, 0.125)
     compact = attend(q, k[:, :, keep], v[:, :, keep], None, 0.125)
     assert torch.equal(scattered, compact)
+
+
+@needs_kernel
+def test_attention_that_needs_gradients_gets_them() -> None:
+    """Training a drafter backpropagates through attention: that runs SDPA (the row kernel has no backward)."""
+    q, k, v, mask = _attention_case(4, 12, 8)
+    q.requires_grad_(True)
+    attend(q, k, v, mask, 0.125).sum().backward()
+    ref_q = q.detach().clone().requires_grad_(True)
+    F.scaled_dot_product_attention(ref_q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).sum().backward()
+    assert q.grad is not None and ref_q.grad is not None and q.grad.abs().sum() > 0
+    assert torch.allclose(q.grad, ref_q.grad, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.qkernel import load_kernel
+from specserve.layers.qkernel import kernel_loaded
 
 
 def attend(
@@ -13,15 +13,17 @@ def attend(
 ) -> torch.Tensor:
     """q [B, Hq, Q, D], k/v [B, Hkv, K, D], mask [B|1, 1, Q|1, K] bool or None -> [B, Hq, Q, D].
 
-    On the CPU in float32, with the kernel built, each query row is computed on its own over the keys its mask
-    admits (`specserve_q::attend_rows`): a token's result is then the same in a verify of many tokens as in a
-    one-token step, which keeps greedy speculation exact under int4/int8. A head dimension off a multiple of 16
-    is padded with zeros (exact: they add nothing to a dot product). Elsewhere, and for per-head or additive
-    masks, SDPA, which takes grouped-query attention as such (no copies of K/V per query group).
+    On the CPU in float32, with the kernel loaded (`qkernel.load_kernel`, which the model's layers call), each
+    query row is computed on its own over the keys its mask admits (`specserve_q::attend_rows`): a token's result
+    is then the same in a verify of many tokens as in a one-token step, which keeps greedy speculation exact under
+    int4/int8. A head dimension off a multiple of 16 is padded with zeros (exact: they add nothing to a dot
+    product). Elsewhere (training, other devices and dtypes, per-head or additive masks), SDPA, which takes
+    grouped-query attention as such (no copies of K/V per query group).
     """
     if (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] <= 256
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)  # the kernel has no backward
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1))
-            and load_kernel()):
+            and kernel_loaded()):
         if mask is not None:
             mask = mask.expand(mask.shape[0], 1, q.shape[2], k.shape[2])
         d = q.shape[-1]

@@ -48,6 +48,12 @@ def load_kernel(verbose: bool = False) -> bool:
     return True
 
 
+def kernel_loaded() -> bool:
+    """Whether the extension's ops are registered (`load_kernel` ran and succeeded): a check that compiled steps
+    trace to a constant, where calling the cached `load_kernel` would make dynamo trace the loader itself."""
+    return hasattr(torch.ops.specserve_q, "attend_rows")
+
+
 def _qmatmul_shape(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, corr: torch.Tensor,
                    kind: int, path: int = 0) -> torch.Tensor:
     return x.new_empty(x.shape[0], d.shape[0] * LANES)
