@@ -12,7 +12,7 @@ import torch
 
 from server_util import running_server
 from specserve.config import SpeculativeConfig
-from specserve.engine.compiled import BATCH_BUCKETS, Bucket, CompiledSteps
+from specserve.engine.compiled import BATCH, ONE, TREE, Bucket, CompiledSteps
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
 from specserve.engine.runner import Row
@@ -47,9 +47,9 @@ def test_compiled_plain_and_speculative_equal_eager(tiny_dir: Path, tmp_path: Pa
         assert not engines(eager)
         buckets = {b for s in steps for b in s.buckets}
         if spec is None:
-            assert {"1x1", "8x1"} <= buckets  # one by one; five plain decodes padded to eight rows
+            assert {"1x1", "Nx1"} <= buckets  # one by one; five plain decodes in one batch graph
         else:
-            assert buckets == {"1x12"}  # one request's 11-token tree, padded to twelve; batched trees run eager
+            assert buckets == {"1xN"}  # one request's trees in one graph; batched trees run eager
 
 
 def test_a_bucket_compiles_once_as_the_context_grows(tiny_dir: Path) -> None:
@@ -70,16 +70,15 @@ def test_passes_outside_every_bucket_run_eager(tiny_dir: Path) -> None:
     decode = Row([1], [3], [s], [s, s, s])
     tree = Row([1, 2], [3, 4], [s, s], [s, s, s])
     prefill = Row([1, 2, 3], [0, 1, 2], [s, s, s], [], logits="last")
-    assert steps.bucket([decode]) == Bucket(1, 1)
-    assert steps.bucket([decode] * 2) == Bucket(2, 1)
+    assert steps.bucket([decode]) == ONE
+    assert steps.bucket([decode] * 2) == BATCH
     assert steps.bucket([decode] * 3) is None  # beyond --cuda-graph-max-bs
-    assert steps.bucket([tree]) == Bucket(1, 2)
+    assert steps.bucket([tree]) == TREE
     assert steps.bucket([tree, decode]) is None  # batched trees run packed, eager
     assert steps.bucket([Row([1] * 5, [3] * 5, [s] * 5, [s])]) is None  # wider than max_width
     assert steps.bucket([prefill]) is None
-    assert steps.startup_buckets() == [*(Bucket(b, 1) for b in BATCH_BUCKETS if b <= 2), *(Bucket(1, q)
-                                                                                            for q in (2, 3, 4))]
-    assert engine.compiled.startup_buckets() == [Bucket(1, 1), Bucket(2, 1)]
+    assert steps.startup_buckets() == [ONE, BATCH, TREE]
+    assert engine.compiled.startup_buckets() == [ONE, BATCH]
     with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
         EngineConfig(cuda_graph_max_bs=0)
 
@@ -92,7 +91,7 @@ def test_server_compiles_its_buckets_at_start_and_takes_the_flags(tiny_dir: Path
     base = ["--model", str(tiny_dir), "--dtype", "float32", "--served-model-name", "m"]
     with running_server([*base, "--no-enforce-eager", "--cuda-graph-max-bs", "2"], tmp_path / "c.log") as srv:
         info = httpx.get(srv.url + "/server_info").json()
-        assert info["compiled_steps"] and info["compiled_buckets"] == ["1x1", "2x1"]
+        assert info["compiled_steps"] and info["compiled_buckets"] == ["1x1", "Nx1"]
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
     with running_server([*base, "--disable-cuda-graph"], tmp_path / "e.log") as srv:
         info = httpx.get(srv.url + "/server_info").json()
@@ -133,7 +132,7 @@ def test_steps_of_other_engines_and_captures_stay_apart(tiny_dir: Path, tiny_dra
                 assert got is not None
                 assert torch.allclose(got[0].logits, want[0].logits, atol=1e-4)
                 assert torch.allclose(got[0].captured, want[0].captured, atol=1e-4)
-        assert steps.buckets == ["1x1", "1x3"]
+        assert steps.buckets == ["1x1", "1xN"]
 
 
 def test_warmed_buckets_are_not_compiled_again_by_the_passes(tiny_dir: Path) -> None:
@@ -252,5 +251,5 @@ def test_offline_warm_up_compiles_every_width_at_batch_one(tiny_dir: Path, monke
     llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
     llm.warm_compiled(max_batch=1)
     plain, spec_steps = (id(e.compiled) for e in llm._engines.values())
-    assert [b for k, b in warmed if k == plain] == [Bucket(1, 1)]
-    assert [b for k, b in warmed if k == spec_steps] == [Bucket(1, q) for q in (1, 2, 3)]  # 3 rows, root included
+    assert [b for k, b in warmed if k == plain] == [ONE]
+    assert [b for k, b in warmed if k == spec_steps] == [ONE, TREE]  # every width up to 3 rows, root included

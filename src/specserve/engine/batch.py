@@ -199,16 +199,16 @@ class BatchEngine:
         }
 
     def warm_compiled(self, progress: bool = True, max_batch: int | None = None) -> None:
-        """Compile, before serving, the buckets a server meets: plain decodes of every batch bucket up to
-        --cuda-graph-max-bs (or `max_batch`) and a single request's trees of every width up to the drafter's
-        widest."""
+        """Compile, before serving, the shapes a server meets (`CompiledSteps.startup_buckets`): one plain
+        decode, batches up to --cuda-graph-max-bs (none where `max_batch` is 1) and one request's trees up to the
+        drafter's widest."""
         if self.compiled is None:
             return
         steps = self.compiled
         capture = self.capture
         wanted: list[tuple[str, Callable[[], None]]] = [(str(b), partial(steps.warm, b, capture))
                                                         for b in steps.startup_buckets()
-                                                        if max_batch is None or b.batch <= max_batch]
+                                                        if b.batch == 1 or max_batch is None or max_batch > 1]
         wanted += self.drafters.drafting_warmups() if self.drafters is not None else []
         bar = tqdm(wanted, desc="compiling decode steps", unit="shape", disable=not progress)
         for name, warm in bar:

@@ -1,14 +1,14 @@
-"""Compiled decode steps: the target's decode and verify forwards as static-shape graphs, one per bucket.
+"""Compiled decode steps: the target's decode and verify forwards as graphs, three shapes in all.
 
-As SGLang and vLLM capture one CUDA graph per batch size, a decode pass (every row wants logits at each of its new
-tokens) runs padded up to a bucket through a `torch.compile`d forward (inductor; weights frozen into the graph):
-B plain decodes (B <= `max_batch`) as B x 1, or one row's draft tree of Q <= `max_width` tokens as 1 x Q. Batched
-trees stay eager: they run packed (`engine/runner.py`), multiplying their real tokens only, where a B x Q grid
-padded to the widest tree multiplied up to twice as many rows and ran slower than eager.
-Padding tokens write to the cache's scratch slot and see key 0 only; padding keys point at scratch and are masked
-(`runner.mask`). The keys' length K (context + new tokens) is the graph's one dynamic dimension, so a
-bucket compiles once however long its rows' contexts grow. Passes outside every bucket (prefill chunks, a wider
-tree, a larger batch) run eager, never fail. Measured gains and compile times: docs/benchmarks.md.
+As SGLang and vLLM capture CUDA graphs for their decode batches, a decode pass (every row wants logits at each of
+its new tokens) runs through a `torch.compile`d forward (inductor; weights frozen into the graph), one of three:
+one plain decode (1 x 1, static: the latency path), B >= 2 plain decodes (N x 1, the batch dimension dynamic), or
+one row's draft tree of Q >= 2 tokens (1 x N, the width dynamic). So a server compiles three graphs at start-up,
+not one per batch size and tree width, and no pass is padded. Batched trees stay eager: they run packed
+(`engine/runner.py`), multiplying their real tokens only. The keys' length K (context + new tokens) is dynamic in
+all three, so a graph compiles once however long its rows' contexts grow. Passes outside every shape (prefill
+chunks, a tree wider than `max_width`, a batch beyond `max_batch`) run eager, never fail. Measured gains and
+compile times: docs/benchmarks.md, docs/real-target.md.
 """
 
 from __future__ import annotations
@@ -22,25 +22,23 @@ from specserve.kv.paged import PagedKVCache, PagedView
 from specserve.layers.compiled_fn import Compiled, CompiledFns, compile_named
 from specserve.models.llama import CausalLM
 
-#: padded batch sizes and tree widths (new tokens per row); a pass takes the smallest bucket that holds it
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
+DYNAMIC = 0  # a shape's dimension of any size from 2 up (dynamo specializes sizes 0 and 1)
 
 Key = tuple["Bucket", tuple[int, ...]]
 
 
-
 @dataclass(frozen=True)
 class Bucket:
+    """A compiled graph's shape: batch and width each 1 or DYNAMIC (one of 1x1, Nx1, 1xN)."""
+
     batch: int
     width: int
 
     def __str__(self) -> str:
-        return f"{self.batch}x{self.width}"
+        return f"{self.batch or 'N'}x{self.width or 'N'}"
 
 
-def bucket_for(values: tuple[int, ...], n: int) -> int | None:
-    return next((b for b in values if b >= n), None)
+ONE, BATCH, TREE = Bucket(1, 1), Bucket(DYNAMIC, 1), Bucket(1, DYNAMIC)
 
 
 class CompiledSteps:
@@ -60,35 +58,31 @@ class CompiledSteps:
 
     @property
     def buckets(self) -> list[str]:
-        """The buckets compiled so far ("BxQ"), for /server_info."""
-        return sorted({str(b) for b, _ in self._steps.ran}, key=lambda s: tuple(int(x) for x in s.split("x")))
+        """The shapes compiled so far ("1x1", "Nx1", "1xN"), for /server_info."""
+        return [str(b) for b in (ONE, BATCH, TREE) if any(k == b for k, _ in self._steps.ran)]
 
     def bucket(self, rows: list[Row]) -> Bucket | None:
-        """The bucket a pass of these rows runs in, or None (eager)."""
+        """The graph a pass of these rows runs in, or None (eager)."""
         if any(r.logits != "all" for r in rows):  # a prefill chunk rides along
             return None
         width = max(r.q for r in rows)
-        if len(rows) > 1 and width > 1:  # batched trees run packed, eager: the grid would multiply B x Q rows
+        if len(rows) > 1 and width > 1:  # batched trees run packed, eager: a grid would multiply B x Q rows
             return None
-        b = bucket_for(BATCH_BUCKETS, len(rows)) if len(rows) <= self.max_batch else None
-        q = bucket_for(WIDTH_BUCKETS, width) if width <= self.max_width else None
-        return Bucket(b, q) if b is not None and q is not None else None
+        if len(rows) > self.max_batch or width > self.max_width:
+            return None
+        return ONE if len(rows) == 1 and width == 1 else BATCH if width == 1 else TREE
 
     def startup_buckets(self) -> list[Bucket]:
-        """Plain decodes of every batch bucket up to `max_batch`, and one row's trees of every width bucket up to
-        the widest (trees vary in size from step to step: a bucket left to its first use stalls serving while it
-        compiles)."""
-        out = [Bucket(b, 1) for b in BATCH_BUCKETS if b <= self.max_batch]
-        widest = bucket_for(WIDTH_BUCKETS, self.max_width) or 0
-        return out + [Bucket(1, q) for q in WIDTH_BUCKETS if 1 < q <= widest]
+        """The shapes a server meets: one plain decode, batches up to `max_batch`, one row's trees up to
+        `max_width` (a shape left to its first use would stall serving while it compiles)."""
+        return [ONE, *([BATCH] if self.max_batch > 1 else []), *([TREE] if self.max_width > 1 else [])]
 
     @torch.inference_mode()  # as the engine's passes run: a graph compiled under autograd would not be reused
     def warm(self, bucket: Bucket, capture: tuple[int, ...]) -> None:
         """Compile `bucket` now (at load) with a pass over the scratch slot (a failure is logged: eager)."""
         scratch = self.cache.scratch
-        rows = [Row([0] * bucket.width, list(range(bucket.width)), [scratch] * bucket.width, [scratch])
-                for _ in range(bucket.batch)]
-        self._run(bucket, rows, capture)
+        b, q = bucket.batch or 2, bucket.width or 2
+        self._run(bucket, [Row([0] * q, list(range(q)), [scratch] * q, [scratch]) for _ in range(b)], capture)
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
@@ -101,20 +95,23 @@ class CompiledSteps:
         return out
 
     def _run(self, bucket: Bucket, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
-        b, q = bucket.batch, bucket.width
         dev, scratch = self.cache.device, self.cache.scratch
-        pad = [Row([], [], [], [])] * (b - len(rows))
-        qs = [r.q for r in rows] + [0] * len(pad)
-        cs = [len(r.context) for r in rows] + [0] * len(pad)
-        k_len = max(2, max(c + n for c, n in zip(cs, qs, strict=True)))  # >= 2: sizes 0 and 1 specialize
-        ids = torch.tensor([r.token_ids + [0] * (q - r.q) for r in rows + pad], device=dev)  # [B, Q]
-        pos = torch.tensor([r.positions + [0] * (q - r.q) for r in rows + pad], device=dev)
-        write = torch.tensor([s for r in rows + pad for s in r.write_slots + [scratch] * (q - r.q)], device=dev)
-        read = torch.tensor([r.context + r.write_slots + [scratch] * (k_len - c - n)
-                             for r, c, n in zip(rows + pad, cs, qs, strict=True)], device=dev)  # [B, K]
-        m = mask(rows + pad, qs, cs, q, k_len).to(dev)  # [B, 1, Q, K]
+        q = max(r.q for r in rows)  # every row's width (batches are of one-token decodes)
+        k_len = max(2, max(len(r.context) + r.q for r in rows))  # >= 2: sizes 0 and 1 specialize
+        ids = torch.tensor([r.token_ids for r in rows], device=dev)  # [B, Q]
+        pos = torch.tensor([r.positions for r in rows], device=dev)
+        write = torch.tensor([s for r in rows for s in r.write_slots], device=dev)  # [B*Q]
+        read = torch.tensor([r.context + r.write_slots + [scratch] * (k_len - len(r.context) - r.q)
+                             for r in rows], device=dev)  # [B, K]
+        m = mask(rows, [r.q for r in rows], [len(r.context) for r in rows], q, k_len).to(dev)  # [B, 1, Q, K]
         torch._dynamo.mark_dynamic(read, 1)
         torch._dynamo.mark_dynamic(m, 3)
+        if bucket.batch == DYNAMIC:
+            for t, dim in ((ids, 0), (pos, 0), (write, 0), (read, 0), (m, 0)):
+                torch._dynamo.mark_dynamic(t, dim)
+        if bucket.width == DYNAMIC:
+            for t, dim in ((ids, 1), (pos, 1), (write, 0), (m, 2)):
+                torch._dynamo.mark_dynamic(t, dim)
         out = self._steps.call((bucket, capture), lambda: self._compile(bucket, capture), f"the {bucket} decode step",
                                ids, pos, write, read, m)
         if out is None:
@@ -133,4 +130,4 @@ class CompiledSteps:
             return out.logits, feats
 
         layers = "_".join(str(i) for i in capture)
-        return compile_named(step, f"step_{bucket.batch}x{bucket.width}_{layers}_{id(self):x}")
+        return compile_named(step, f"step_{bucket.batch or 'N'}x{bucket.width or 'N'}_{layers}_{id(self):x}")
