@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from speculative import parse_config  # benchmarks/speculative.py (this script's folder is on sys.path)
 
+from specserve.bench.machine import cpu_info
 from specserve.bench.peer_worker import matmul_floor_ms
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--dtype", action="append", default=[], help="float32, bfloat16 (repeatable)")
     ap.add_argument("--config", action="append", default=[], help="a drafter at batch 1, e.g. 'NGRAM' (repeatable)")
+    ap.add_argument("--quantization", default="none", help="none | int8 | int4 (weights)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (compiled steps through inductor on either)")
@@ -54,7 +56,7 @@ def main() -> None:
         for work in ["plain", *a.config]:
             spec = None if work == "plain" else parse_config(work, a.model)
             for mode in ("compiled", "eager"):
-                llm = LLM(a.model, device=a.device, dtype=dtype, speculative=spec,
+                llm = LLM(a.model, device=a.device, dtype=dtype, quantization=a.quantization, speculative=spec,
                           engine_config=EngineConfig(kv_cache_gb=0.25, enforce_eager=mode == "eager"))
                 t0 = time.perf_counter()  # warm-up: compiles every bucket the runs meet
                 llm.generate(PROMPTS, SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True))
@@ -100,7 +102,8 @@ def main() -> None:
                      "batch16_over_batch1": {m: round(by["plain c=16"]["tok_s"][m] / by["plain c=1"]["tok_s"][m], 2)
                                              for m in ("compiled", "eager")},
                      "results": rows})
-    print(json.dumps({"benchmark": "decode_step", "model": a.model, "device": a.device,
+    print(json.dumps({"benchmark": "decode_step", "model": a.model, "quantization": a.quantization,
+                      "device": a.device, "cpu": cpu_info(),
                       "command_line": sys.argv, "rounds": a.rounds,
                       "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
                       "runs": runs}, indent=2))

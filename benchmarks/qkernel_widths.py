@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from specserve.bench.machine import cpu_info
 from specserve.layers import qkernel as qk
 from specserve.models.gguf import GGUFModel
 from specserve.models.gguf_dir import smollm2_gguf
@@ -51,23 +50,6 @@ def onednn_bf16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-
-
-def cpu_name() -> dict[str, object]:
-    """The CPU's model name and the features the kernels care about, from /proc/cpuinfo."""
-    info = {"model": platform.processor(), "features": []}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            info["model"] = line.split(":", 1)[1].strip()
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            info["features"] = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "avx2")))
-            break
-    return info
 
 
 def layer_blocks(model: GGUFModel) -> list[Q4Blocks]:
@@ -126,7 +108,7 @@ def main() -> None:
             if w in (1, 16):
                 for n, fn in scalar.items():
                     runs[n][w].append(_best(fn, xf))
-    out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "kernel_path": path,
+    out = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__, "kernel_path": path,
            "rounds": a.rounds, "ms_30_layers": {n: {w: round(statistics.median(v), 2) for w, v in t.items()}
                                                  for n, t in runs.items()},
            "ratio_16_over_1": {}, "all_rounds": runs}

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 SYSTEMS = ("specserve", "specserve-eager", "transformers")
@@ -38,22 +37,33 @@ Compile = Callable[[int], None]
 
 
 def matmul_floor_ms(model: nn.Module, reps: int = 200) -> float:
-    """Median ms of one row through every projection and the LM head (`F.linear` on the stored layouts): what a
-    decode step at batch 1 costs with no overhead and these kernels."""
-    ws = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
-    sync = torch.cuda.synchronize if ws[0].is_cuda else (lambda: None)
+    """Median ms of one row through every projection and the LM head (`F.linear` on the stored layouts, or the
+    quantized layers' own kernel): what a decode step at batch 1 costs with no overhead and these kernels."""
+    from specserve.layers.quant import QuantLinear
+
+    mods = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    xs = {(m.in_features, _dtype(m)): torch.randn(1, m.in_features, dtype=_dtype(m), device=_device(m))
+          for m in mods}
+    sync = torch.cuda.synchronize if _device(mods[0]).type == "cuda" else (lambda: None)
     times = []
     with torch.inference_mode():
         for i in range(reps + 20):
             sync()
             t0 = time.perf_counter()
-            for w in ws:
-                F.linear(xs[w.shape[1]], w)
+            for m in mods:
+                m(xs[(m.in_features, _dtype(m))])
             sync()
             if i >= 20:
                 times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
+
+
+def _dtype(m: nn.Module) -> torch.dtype:
+    return m.weight.dtype if isinstance(m, nn.Linear) else torch.float32  # quantized layers read float32
+
+
+def _device(m: nn.Module) -> torch.device:
+    return (m.weight if isinstance(m, nn.Linear) else next(m.buffers())).device
 
 
 def specserve_methods(model: str, dtype: str, eager: bool,
