@@ -17,6 +17,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -e ".[test]"
+  # z-lab's DFlash client, whose `benchmark openai` must read our meta_info; its pins (datasets, tqdm, requests)
+  # serve its hub datasets and local models, which the tests do not use
+  .venv/bin/python -c "import dflash" 2>/dev/null || "${PIP[@]}" --no-deps "dflash==0.1.0"
 else
   "${PIP[@]}" -e .
 fi

@@ -70,3 +70,55 @@ def test_bad_servers_are_one_line_errors(tmp_path: Path, tiny_dir: Path, capsys:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "reports no speculation" in err and "--speculative-algorithm" in err
     assert not out.exists()  # nothing half-written
+
+
+def test_adaptive_server_that_verified_nothing_says_how_to_measure(tmp_path: Path, tiny_dir: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A speculative server whose adaptive policy found no draft width paying: the error names the flag to fix."""
+    suite = suite_file(tmp_path)
+    profile = tmp_path / "profile.json"
+    serve = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", "--speculative-algorithm", "NGRAM",
+             "--speculative-adaptive-profile", str(profile)]
+    with running_server(serve, tmp_path / "first.log"):
+        pass  # measures and writes the profile before it serves
+    saved = json.loads(profile.read_text())
+    saved["seconds"] = [[t * (1 if q == 1 else 1e4) for t, q in zip(row, saved["widths"], strict=True)]
+                        for row in saved["seconds"]]  # any draft costs ten thousand steps: never verified
+    profile.write_text(json.dumps(saved))
+    out = tmp_path / "acc.json"
+    with running_server(serve, tmp_path / "second.log") as srv:
+        assert main(["bench", "acceptance", "--suite", str(suite), "--max-new-tokens", "8", "--out", str(out),
+                     "--base-url", srv.url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "runs NGRAM" in err and "adaptive policy verified no drafts" in err and "spec_verify_ct 0" in err
+    assert "--no-speculative-adaptive" in err and "reports no speculation" not in err
+    assert not out.exists()
+
+
+def test_dflash_client_reads_the_accept_length(tmp_path: Path, tiny_dir: Path, tiny_draft_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """z-lab's `dflash` client (PyPI) against `serve`: `generate openai` answers and `benchmark openai` prints the
+    accept length from the response's top-level meta_info, equal to what the server reports per choice."""
+    from dflash import benchmark, cli
+
+    prompts = [{"turns": [t]} for t in ("write fizzbuzz", "def add(a, b):", "a = 1\nb = 2\na = 1\n")]
+    local = tmp_path / "prompts.jsonl"  # its datasets come from a hub: a local file stands in
+    local.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    monkeypatch.setattr(benchmark, "load_and_process_dataset",
+                        lambda name: [json.loads(line) for line in local.read_text().splitlines()])
+    spec = [*SPEC, "--speculative-draft-model-path", str(tiny_draft_dir), "--no-speculative-adaptive"]
+    with running_server(["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32", *spec],
+                        tmp_path / "server.log") as srv:
+        direct = benchmark.send_openai(srv.url, [{"role": "user", "content": "write fizzbuzz"}], model=str(tiny_dir),
+                                       max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, timeout_s=60)
+        cli.main(["generate", "openai", "--model", str(tiny_dir), "--base-url", srv.url, "--max-new-tokens", "8",
+                  "hello"])
+        capsys.readouterr()
+        cli.main(["benchmark", "openai", "--model", str(tiny_dir), "--base-url", srv.url, "--dataset", "humaneval",
+                  "--num-prompts", "3", "--max-new-tokens", "12"])
+    printed = capsys.readouterr().out
+    assert direct["meta_info"] == direct["choices"][0]["meta_info"] and direct["meta_info"]["spec_verify_ct"] > 0
+    lines = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in printed.splitlines()) if v}
+    assert int(lines["Spec verify ct"]) > 0 and float(lines["Accept length"]) >= 1.0, printed

@@ -132,6 +132,13 @@ class RemoteServer:
                 counted = verify_steps_from_metrics(before, after)
                 per = accepted_per_position_from_metrics(before, after)
                 return Figures(tokens, mean, counted, per, text, seconds, f"metrics:{name}", prompt)
+        algorithm = ((self.info.get("speculative") or {}).get("algorithm") or "").upper()
+        if meta and "spec_verify_ct" in meta and algorithm not in ("", "NONE"):
+            why = ("its adaptive policy verified no drafts for it (spec_verify_ct 0: at this batch size the cost "
+                   "profile found no draft width that pays)" if self.info.get("speculative_adaptive")
+                   else "it verified no drafts for it (spec_verify_ct 0)")
+            raise ValueError(f"{self.url} runs {algorithm}, but for task {task.name!r} {why}; to measure acceptance, "
+                             "restart the server with --no-speculative-adaptive (every step verifies its drafts)")
         hint = "" if self.cfg.source == "response" else " nor in /metrics"
         raise ValueError(f"{self.url} reports no speculation (no spec_* figures in the response's meta_info{hint}): "
                          "start it with --speculative-algorithm, or point --base-url at a speculative server")

@@ -31,6 +31,7 @@ from specserve.server.engine_api import (
     ServingEngine,
 )
 from specserve.server.errors import ApiError, parse_body
+from specserve.server.meta import merge_meta_info
 from specserve.server.serve_config import ServeConfig
 from specserve.server.structured import request_grammar, tool_call_grammar
 from specserve.server.tool_parsers import TOOL_PARSERS, Parsed, ToolCall, ToolParser
@@ -187,6 +188,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         choices=[r.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                     meta_info=c.meta_info) for i, c in enumerate(choices)],
         usage=_usage(prompt_tokens, [c.completion_tokens for c in choices]),
+        meta_info=merge_meta_info([c.meta_info for c in choices]),
     )
     return JSONResponse(resp.model_dump(exclude_none=True))
 
@@ -295,7 +297,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         out.append(r.ChatChoice(index=i, message=msg, finish_reason=reason, meta_info=c.meta_info))
     resp = r.ChatCompletionResponse(id=rid, created=created, model=model, choices=out,
-                                    usage=_usage(len(ids), [c.completion_tokens for c in choices]))
+                                    usage=_usage(len(ids), [c.completion_tokens for c in choices]),
+                                    meta_info=merge_meta_info([c.meta_info for c in choices]))
     return JSONResponse(resp.model_dump(exclude_none=True))
 
 

@@ -33,6 +33,7 @@ class CompletionResponse(_Out):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    meta_info: dict[str, Any] | None = None  # the choices' figures together (`meta.merge_meta_info`)
 
 
 class FunctionCallOut(_Out):
@@ -68,6 +69,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    meta_info: dict[str, Any] | None = None  # where z-lab's `dflash` client reads it; as CompletionResponse's
 
 
 class ChatDelta(_Out):
