@@ -1,6 +1,7 @@
 """Prompt suites for acceptance benchmarks.
 
 - `coding10`: ten coding prompts (code openings, since the demo target is a code model).
+- `coding10-chat`: the same ten tasks as chat requests, for a chat target (SmolLM2-Instruct).
 - `heldout-code`: contexts cut from real Python code the demo model never trained on (eight third-party
   packages, not the standard library), at three kinds of cut point (`bench/cuts.py`, the kind kept per task),
   continued for a short horizon. Small targets loop under greedy decoding and loops flatter every drafter;
@@ -49,6 +50,30 @@ CODING10: list[tuple[str, str]] = [
 ]
 
 
+#: the ten tasks as a user would ask a chat model for them
+CODING10_CHAT: dict[str, str] = {
+    "fizzbuzz": "Write a Python function fizzbuzz(n) that returns the FizzBuzz strings for 1 to n.",
+    "binary_search": "Write a Python function binary_search(items, target) that returns the index of target in "
+                     "a sorted list, or -1.",
+    "linked_list_reverse": "Write a Python class Node for a singly linked list and a function reverse(head) that "
+                           "reverses the list in place.",
+    "json_parser": "Write a small recursive-descent JSON parser in Python: a class JSONParser with a "
+                   "parse_value method for objects, arrays, strings, numbers, true, false and null.",
+    "async_rate_limiter": "Write an asyncio rate limiter class in Python that allows at most `rate` calls per "
+                          "`period` seconds, usable as `async with limiter:`.",
+    "trie_autocomplete": "Write a Python Trie with insert(word) and autocomplete(prefix), which returns every "
+                         "stored word starting with prefix.",
+    "merge_sort": "Write a Python function merge_sort(items) that sorts a list with merge sort and returns a new "
+                  "list.",
+    "lru_cache": "Write a Python class LRUCache(capacity) with get(key) and put(key, value), using an "
+                 "OrderedDict.",
+    "graph_bfs": "Write a Python function bfs(graph, start) that returns the nodes reachable from start in "
+                 "breadth-first order; graph is a dict of adjacency lists.",
+    "matrix_multiply": "Write a Python function matrix_multiply(a, b) that multiplies two matrices given as lists "
+                       "of rows, raising ValueError when the shapes do not match.",
+}
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -92,15 +117,18 @@ HELDOUT = {"heldout-code": "heldout_code.jsonl", "heldout-pip": "heldout_pip.jso
 def default_new_tokens(suite: str) -> int:
     """The horizon a suite is measured at: short for held-out code (a continuation, before a small target
     drifts into loops) and for chat coding answers (their opening, before they loop), 128 otherwise."""
-    return 64 if suite == "chat-coding" else 32 if suite in HELDOUT else 128
+    return 64 if suite in ("chat-coding", "coding10-chat") else 32 if suite in HELDOUT else 128
 
 
 def load_suite(name_or_path: str) -> list[Task]:
     if name_or_path == "coding10":
         return [Task(n, p) for n, p in CODING10]
+    if name_or_path == "coding10-chat":
+        return [Task(n, messages=[{"role": "user", "content": CODING10_CHAT[n]}], kind="write") for n, _ in CODING10]
     if name_or_path in HELDOUT:
         return load_jsonl_tasks(SUITES_DIR / HELDOUT[name_or_path])
     path = Path(name_or_path)
     if not path.exists():
-        raise ValueError(f"--suite {name_or_path!r}: not coding10, {', '.join(HELDOUT)}, or an existing JSONL file")
+        raise ValueError(f"--suite {name_or_path!r}: not coding10, coding10-chat, {', '.join(HELDOUT)}, or an "
+                         "existing JSONL file")
     return load_jsonl_tasks(path)

@@ -70,7 +70,7 @@ class CalibrateConfig:
             raise ValueError(f"--grid must list temperatures > 0, got {list(self.grid)}")
         if self.seeds < 1:
             raise ValueError(f"--seeds must be at least 1, got {self.seeds}")
-        if self.suite in (*HELDOUT, "coding10"):
+        if self.suite in (*HELDOUT, "coding10", "coding10-chat"):
             raise ValueError(f"--suite {self.suite}: calibrate on training-split prompts, not an evaluation suite")
 
     @property

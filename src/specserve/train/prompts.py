@@ -80,7 +80,7 @@ def _clashes(prompt: str, evaluation: list[str]) -> bool:
 
 
 def evaluation_texts() -> list[str]:
-    tasks: list[Task] = load_suite("coding10") + load_suite("heldout-code") + load_suite("heldout-pip")
+    tasks: list[Task] = [t for s in ("coding10", "coding10-chat", "heldout-code", "heldout-pip") for t in load_suite(s)]
     texts = [t.prompt for t in tasks if t.prompt]
     texts += [str(m.get("content", "")) for t in tasks for m in (t.messages or [])]
     return [t for t in texts if t.strip()]
