@@ -39,3 +39,16 @@ def test_splits_are_disjoint_and_every_kind_is_built() -> None:
     assert tool["messages"][1]["content"].startswith('<tool_call>[{"name": "read_file"')
     assert build_tasks("train", 40) == train  # reproducible
     assert default_new_tokens("chat-coding") == 64
+
+
+def test_coding10_chat_asks_for_the_ten_seed_tasks_and_is_never_trained_on() -> None:
+    from specserve.bench.suites import CODING10, default_new_tokens, load_suite
+    from specserve.train.prompts import evaluation_texts
+
+    tasks = load_suite("coding10-chat")
+    assert [t.name for t in tasks] == [n for n, _ in CODING10] and len(tasks) == 10
+    assert all(t.prompt is None and t.messages and t.messages[0]["role"] == "user" for t in tasks)
+    assert all(t.name.split("_")[0] in t.messages[0]["content"].lower() for t in tasks if t.messages)
+    assert default_new_tokens("coding10-chat") == 64
+    held = set(evaluation_texts())
+    assert all(t.messages[0]["content"] in held for t in tasks if t.messages)
