@@ -75,7 +75,11 @@ def main() -> None:
         w = b.dequantize()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         old8.append(((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.bfloat16()))
-    dense = [onednn_packed(b.dequantize().bfloat16().contiguous()) for b in blocks]
+    no_onednn = ""
+    try:  # oneDNN's bf16 product needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT
+        dense = [onednn_packed(b.dequantize().bfloat16().contiguous()) for b in blocks]
+    except RuntimeError as e:
+        dense, no_onednn = [], str(e).splitlines()[0]
     path = qk.kernel_paths()[-1]
 
     def over(items: list, call: Callable) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
@@ -92,6 +96,8 @@ def main() -> None:
         "aten_int8pack": (over(old8, lambda o, x: torch.ops.aten._weight_int8pack_mm(x, o[0], o[1])), True),
         "onednn_bf16": (over(dense, lambda w, x: onednn_bf16(x, w)), True),
     }
+    if not dense:
+        del arms["onednn_bf16"]
     scalar = {"qmatmul_int4_scalar": over(p4, lambda p, x: qk.qmatmul(x, p, "scalar")),
               "qmatmul_int8_scalar": over(p8, lambda p, x: qk.qmatmul(x, p, "scalar"))}
     k_small, k_big = ks[0], max(ks)
@@ -112,6 +118,8 @@ def main() -> None:
            "rounds": a.rounds, "ms_30_layers": {n: {w: round(statistics.median(v), 2) for w, v in t.items()}
                                                  for n, t in runs.items()},
            "ratio_16_over_1": {}, "all_rounds": runs}
+    if not dense:
+        out["onednn_bf16"] = f"not on this CPU: {no_onednn}"
     for n, t in runs.items():
         ratios = [b / a_ for a_, b in zip(t[1], t[16], strict=True)]
         out["ratio_16_over_1"][n] = {"median": round(statistics.median(ratios), 2),

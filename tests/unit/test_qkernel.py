@@ -57,6 +57,21 @@ def test_every_path_gives_the_scalar_paths_bits(kind: str) -> None:
 
 
 @needs_kernel
+def test_every_path_takes_the_full_int8_range() -> None:
+    """Q8_0 blocks may hold -128 (a file's quantizer need not clamp to +-127): no path may saturate on it."""
+    torch.manual_seed(5)
+    q = torch.randint(-128, 128, (32, 96), dtype=torch.int8)
+    q[:, :32] = -128  # whole blocks of the extreme value, against activations of either sign
+    p = qk.pack_q8(q, torch.rand(32, 3) * 0.01 + 0.001)
+    x = torch.randn(7, 96) * 4
+    ref = qk.reference_qmatmul(x, p)
+    for path in qk.kernel_paths():
+        got = qk.qmatmul(x, p, path)
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), path
+        assert torch.equal(got, qk.qmatmul(x, p, "scalar")), path
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_kernel_rows_are_invariant_to_the_width(kind: str) -> None:
     p, _ = _packed(kind, n=56, k=64, seed=2)

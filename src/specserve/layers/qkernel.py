@@ -24,7 +24,7 @@ import torch
 BLOCK = 32
 LANES = 16
 KINDS = {"int4": 4, "int8": 8}
-PATHS = {"auto": 0, "scalar": 1, "avx512vnni": 2}
+PATHS = {"auto": 0, "scalar": 1, "avx2": 3, "avx512vnni": 2}  # worst to best
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qmatmul.cpp", "attention.cpp")]
 
 
@@ -110,7 +110,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
-    """Blocks w = d * q (q [N, K] int8 in -127..127, d [N, K/32]) -> the int8 layout (d as fp16)."""
+    """Blocks w = d * q (q [N, K] int8, -128 included, d [N, K/32]) -> the int8 layout (d as fp16)."""
     n, k = q.shape
     qg = _groups(q.to(torch.int8))
     g, nb = qg.shape[0] // LANES, k // BLOCK

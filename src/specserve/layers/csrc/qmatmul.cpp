@@ -31,7 +31,7 @@ constexpr int LANES = 16; // output channels per group
 constexpr int MAXR = 8;   // rows per chunk
 
 enum Kind : int64_t { Q4 = 4, Q8 = 8 };
-enum Path : int64_t { AUTO = 0, SCALAR = 1, AVX512VNNI = 2 };
+enum Path : int64_t { AUTO = 0, SCALAR = 1, AVX512VNNI = 2, AVX2 = 3 };
 
 // Per row and block: int8 values (Q8 weights take them offset by 128, as unsigned bytes), the scale and, for the
 // Q4_1 zero-point term, the block's sum (xd * sum(q)).
@@ -89,8 +89,14 @@ bool has_avx512vnni() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 #else
 bool has_avx512vnni() { return false; }
+bool has_avx2() { return false; }
 #endif
 
 QuantRows quantize_rows(const at::Tensor& x, bool offset, bool vnni) {
@@ -247,15 +253,85 @@ void vnni_group(const Weights& W, int64_t g, const QuantRows& X, int64_t m, floa
     }
   }
 }
+// AVX2 (no VNNI): a group's 16 lanes as two halves of 8; the 4-byte dot products from vpmaddubsw (u8 x s8 into
+// s16 pairs) and vpmaddwd against ones. Q4: nibbles 0..15 times activations -127..127, |pair| <= 3810, and the
+// eight pairs of a lane sum to <= 30480 in s16 before widening; Q8: |w| (0..128, as unsigned) times activations
+// carrying w's sign, |pair| <= 32512, widened per product. So no step saturates and each block's integer sum is
+// the one every other path computes; the float steps that follow are the same too.
+template <int R, int KIND>
+__attribute__((target("avx2,fma,f16c")))
+void avx2_chunk(const Weights& W, int64_t g, int h, const int8_t* xq, const float* xd, const float* xs,
+                int64_t r0, float* y, int64_t ldy) {
+  const int64_t nb = W.nb, k = nb * BLK;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t gb = g * nb + b;
+    __m256i w[8];  // [p]: the 8 lanes of half h, 4 bytes each (k = 4p + t)
+    if (KIND == Q4) {
+      const uint8_t* wb = W.w + gb * 256 + h * 32;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 64));
+        w[2 * j] = _mm256_and_si256(v, low);
+        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    } else {
+      const uint8_t* wb = W.w + gb * 512 + h * 32;
+      for (int p = 0; p < 8; ++p) w[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64));
+    }
+    const int64_t lane0 = gb * LANES + h * 8;
+    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.d + lane0)));
+    const __m256 wm = KIND == Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.m + lane0)))
+                                 : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xb = reinterpret_cast<const int32_t*>(xq + (r0 + r) * k + b * BLK);
+      __m256i s;
+      if (KIND == Q4) {
+        __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xb[0]));
+        for (int p = 1; p < 8; ++p) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xb[p])));
+        s = _mm256_madd_epi16(s16, ones);
+      } else {
+        s = _mm256_setzero_si256();
+        for (int p = 0; p < 8; ++p) {
+          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(xb[p]), w[p]);
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[p]), sx), ones));
+        }
+      }
+      const int64_t rb = (r0 + r) * nb + b;
+      const __m256 tsc = _mm256_mul_ps(wd, _mm256_set1_ps(xd[rb]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), tsc, acc[r]);
+      if (KIND == Q4) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + g * LANES + h * 8, acc[r]);
+}
+
+template <int KIND>
+void avx2_group(const Weights& W, int64_t g, const QuantRows& X, int64_t m, float* y, int64_t ldy) {
+  const int8_t* xq = X.q.data_ptr<int8_t>();
+  const float* xd = X.d.data_ptr<float>();
+  const float* xs = X.s.data_ptr<float>();
+  for (int h = 0; h < 2; ++h) {
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+      switch (std::min<int64_t>(4, m - r0)) {
+        case 1: avx2_chunk<1, KIND>(W, g, h, xq, xd, xs, r0, y, ldy); break;
+        case 2: avx2_chunk<2, KIND>(W, g, h, xq, xd, xs, r0, y, ldy); break;
+        case 3: avx2_chunk<3, KIND>(W, g, h, xq, xd, xs, r0, y, ldy); break;
+        default: avx2_chunk<4, KIND>(W, g, h, xq, xd, xs, r0, y, ldy); break;
+      }
+    }
+  }
+}
 #endif
 
-bool use_vnni(int64_t path) {
-  TORCH_CHECK(path == AUTO || path == SCALAR || path == AVX512VNNI, "qmatmul: unknown path ", path);
-  if (path == AVX512VNNI) {
-    TORCH_CHECK(has_avx512vnni(), "qmatmul: this CPU has no AVX512-VNNI");
-    return true;
-  }
-  return path == AUTO && has_avx512vnni();
+// The path a call runs: `path` itself (checked against the CPU) or, for AUTO, the best this CPU has.
+Path resolve(int64_t path) {
+  TORCH_CHECK(path == AUTO || path == SCALAR || path == AVX512VNNI || path == AVX2, "qmatmul: unknown path ", path);
+  TORCH_CHECK(path != AVX512VNNI || has_avx512vnni(), "qmatmul: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(path != AVX2 || has_avx2(), "qmatmul: this CPU has no AVX2 (with FMA and F16C)");
+  if (path != AUTO) return static_cast<Path>(path);
+  return has_avx512vnni() ? AVX512VNNI : has_avx2() ? AVX2 : SCALAR;
 }
 
 // x [M, K] float32; w packed uint8; d/m fp16 [G, nb, 16]; corr int32 [G, nb, 16] (Q8) -> [M, G*16] float32.
@@ -274,12 +350,14 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
     TORCH_CHECK(corr.sizes() == d.sizes() && corr.scalar_type() == at::kInt && corr.is_contiguous(),
                 "qmatmul: corr int32 like d");
   }
-  const bool vnni = use_vnni(path);
+  const Path run = resolve(path);
+  const bool vnni = run == AVX512VNNI;
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), n = groups * LANES;
   at::Tensor y = at::empty({rows, n}, xc.options());
   if (rows == 0) return y;
-  const QuantRows X = quantize_rows(xc, kind == Q8, vnni);
+  // the VNNI and scalar Q8 products take activations offset to unsigned (their sums corrected by corr)
+  const QuantRows X = quantize_rows(xc, kind == Q8 && run != AVX2, vnni);
   const Weights W{w.data_ptr<uint8_t>(), d.contiguous().data_ptr<c10::Half>(),
                   kind == Q4 ? m.data_ptr<c10::Half>() : nullptr, kind == Q8 ? corr.data_ptr<int32_t>() : nullptr,
                   nb};
@@ -292,6 +370,11 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
         else vnni_group<Q8>(W, g, X, rows, yp, n);
         continue;
       }
+      if (run == AVX2) {
+        if (kind == Q4) avx2_group<Q4>(W, g, X, rows, yp, n);
+        else avx2_group<Q8>(W, g, X, rows, yp, n);
+        continue;
+      }
 #endif
       scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
     }
@@ -299,7 +382,9 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   return y;
 }
 
-bool path_available(int64_t path) { return path == SCALAR || (path == AVX512VNNI && has_avx512vnni()); }
+bool path_available(int64_t path) {
+  return path == SCALAR || (path == AVX512VNNI && has_avx512vnni()) || (path == AVX2 && has_avx2());
+}
 
 }  // namespace
 
