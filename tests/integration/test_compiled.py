@@ -253,3 +253,23 @@ def test_offline_warm_up_compiles_every_width_at_batch_one(tiny_dir: Path, monke
     plain, spec_steps = (id(e.compiled) for e in llm._engines.values())
     assert [b for k, b in warmed if k == plain] == [ONE]
     assert [b for k, b in warmed if k == spec_steps] == [ONE, TREE]  # every width up to 3 rows, root included
+
+
+@pytest.mark.parametrize(("quantization", "frozen"), [("none", True), ("int8", False)])
+def test_quantized_steps_compile_unfrozen(tiny_dir: Path, quantization: str, frozen: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense weights are frozen into the graph; the quantized kernel's are not (freezing keeps AOT autograd's
+    cache from holding the graph, and the kernel's op has nothing to fold)."""
+    import specserve.engine.compiled as compiled
+
+    seen: list[bool] = []
+
+    def record(fn, name, freeze=True):  # type: ignore[no-untyped-def]
+        seen.append(freeze)
+        return fn  # run the step eager: only the choice is under test
+
+    monkeypatch.setattr(compiled, "compile_named", record)
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", quantization=quantization, enforce_eager=False)
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert out[0].num_tokens == 3
+    assert seen and set(seen) == {frozen}

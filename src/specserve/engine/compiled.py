@@ -1,7 +1,8 @@
 """Compiled decode steps: the target's decode and verify forwards as graphs, three shapes in all.
 
 As SGLang and vLLM capture CUDA graphs for their decode batches, a decode pass (every row wants logits at each of
-its new tokens) runs through a `torch.compile`d forward (inductor; weights frozen into the graph), one of three:
+its new tokens) runs through a `torch.compile`d forward (inductor; dense weights frozen into the graph, quantized
+ones left as inputs so that a second start reuses the cached graphs), one of three:
 one plain decode (1 x 1, static: the latency path), B >= 2 plain decodes (N x 1, the batch dimension dynamic), or
 one row's draft tree of Q >= 2 tokens (1 x N, the width dynamic). So a server compiles three graphs at start-up,
 not one per batch size and tree width, and no pass is padded. Batched trees stay eager: they run packed
@@ -20,6 +21,7 @@ import torch
 from specserve.engine.runner import Row, RowOutput, mask
 from specserve.kv.paged import PagedKVCache, PagedView
 from specserve.layers.compiled_fn import Compiled, CompiledFns, compile_named
+from specserve.layers.quant import QuantLinear
 from specserve.models.llama import CausalLM
 
 DYNAMIC = 0  # a shape's dimension of any size from 2 up (dynamo specializes sizes 0 and 1)
@@ -130,4 +132,6 @@ class CompiledSteps:
             return out.logits, feats
 
         layers = "_".join(str(i) for i in capture)
-        return compile_named(step, f"step_{bucket.batch or 'N'}x{bucket.width or 'N'}_{layers}_{id(self):x}")
+        quantized = any(isinstance(mod, QuantLinear) for mod in model.modules())
+        return compile_named(step, f"step_{bucket.batch or 'N'}x{bucket.width or 'N'}_{layers}_{id(self):x}",
+                             freeze=not quantized)

@@ -21,13 +21,17 @@ Compiled = Callable[..., Any]
 K = TypeVar("K", bound=Hashable)
 
 
-def compile_named(fn: Callable[..., Any], name: str) -> Compiled:
+def compile_named(fn: Callable[..., Any], name: str, freeze: bool = True) -> Compiled:
     """`torch.compile` of `fn` under a code object of its own named `name`: dynamo keeps (and checks the guards of)
     compiled entries per code object, and keys automatic-dynamic state by name, so two closures of one function
-    (two engines, two buckets) must not share them. Static but for the dims marked dynamic; weights frozen."""
+    (two engines, two buckets) must not share them. Static but for the dims marked dynamic. `freeze`: weights
+    folded into the graph as constants (inductor's freezing, which lets oneDNN pre-pack dense weights); it also
+    keeps AOT autograd's cache from holding the graph, so a second start traces and lowers it again. Quantized
+    models, whose products are the kernel's own op, gain nothing from it and start far faster without it
+    (docs/real-target.md)."""
     code = fn.__code__.replace(co_name=name)
     fresh = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    return torch.compile(fresh, fullgraph=True, dynamic=False, options={"freezing": True})
+    return torch.compile(fresh, fullgraph=True, dynamic=False, options={"freezing": freeze})
 
 
 class CompiledFns(Generic[K]):
