@@ -54,6 +54,8 @@ class CompiledSteps:
         self.max_batch = max_batch
         self.max_width = max_width
         self._steps: CompiledFns[Key] = CompiledFns()  # by (bucket, captured layers); their compiled and failed keys
+        # dense weights frozen into the graphs; the quantized kernel's left as inputs (`compile_named`)
+        self.freeze = not any(isinstance(mod, QuantLinear) for mod in model.modules())
         self.hits = 0  # passes run compiled
         self.misses = 0  # decode passes outside every bucket (run eager)
         model.rotary.reserve(model.config.max_position_embeddings, cache.device)
@@ -132,6 +134,5 @@ class CompiledSteps:
             return out.logits, feats
 
         layers = "_".join(str(i) for i in capture)
-        quantized = any(isinstance(mod, QuantLinear) for mod in model.modules())
         return compile_named(step, f"step_{bucket.batch or 'N'}x{bucket.width or 'N'}_{layers}_{id(self):x}",
-                             freeze=not quantized)
+                             freeze=self.freeze)
