@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive.measure import profile_forward
+from specserve.engine.adaptive.measure import profile_forward, profile_slots
 from specserve.engine.compiled import CompiledSteps
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
@@ -65,12 +65,13 @@ def width_curve(llm: LLM, eager: bool) -> dict[str, float]:
     if not eager:  # a plain engine compiles one-token steps only; verify widths as a drafter's engine would
         engine.compiled = CompiledSteps(llm.model, engine.kv, 16, max(WIDTHS))
     out: dict[str, float] = {}
+    slots = list(range(profile_slots(max(WIDTHS))))
     for b, q in [(1, w) for w in WIDTHS] + [(16, 1)]:
-        profile_forward(engine, b, q)
+        profile_forward(engine, b, q, slots)
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
-            profile_forward(engine, b, q)
+            profile_forward(engine, b, q, slots)
             times.append(time.perf_counter() - t0)
         out[f"{b}x{q}"] = round(min(times) * 1e3, 2)
     return out

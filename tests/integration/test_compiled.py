@@ -4,6 +4,7 @@ bucket run eager; the server reports its buckets and takes --enforce-eager / --d
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
@@ -273,3 +274,49 @@ def test_quantized_steps_compile_unfrozen(tiny_dir: Path, quantization: str, fro
     out = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert out[0].num_tokens == 3
     assert seen and set(seen) == {frozen}
+
+
+def test_a_background_warm_up_serves_eager_until_compiled_then_measures_the_profile(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve`'s default start (`engine/warmup.py`): while the steps compile on their own thread, passes run eager
+    (the engine's thread never compiles one itself) and decode plainly, the missing adaptive profile held on KV
+    blocks of its own; once compiled, the profile is measured on the compiled steps, the blocks go back and the
+    engine speculates, the tokens those of plain decoding throughout."""
+    release = threading.Event()
+    real = CompiledSteps._compile
+
+    def held(self: CompiledSteps, bucket: Bucket, capture: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        assert release.wait(300)
+        return real(self, bucket, capture)
+
+    monkeypatch.setattr(CompiledSteps, "_compile", held)
+    llm = LLM(tiny_dir, device="cpu", dtype="float32", enforce_eager=True,
+              speculative=SpeculativeConfig.resolve("NGRAM", num_draft_tokens=3, tree="chain"))
+    want = [o.token_ids for o in llm.generate_plain(PROMPTS, PARAMS)]
+    cfg = EngineConfig(num_kv_blocks=128, max_num_seqs=2, cuda_graph_max_bs=2, enforce_eager=False)
+    engine = llm.make_engine(cfg, adaptive=True, profile_path=tmp_path / "profile.json", warm_compiled=True,
+                             background=True)
+    assert engine.warmup is not None and engine.warmup.running and engine.profile_due is not None
+    assert engine.describe()["compiling"] and not engine.profile_measurable
+    held_blocks = len(engine.profile_due.blocks)
+    assert engine.pool.num_free == engine.pool.num_blocks - held_blocks
+
+    def decode(prompts: list[str]) -> list[list[int]]:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), llm.encode(p), PARAMS)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished:
+            for o in engine.step():
+                got[o.request_id] += o.new_token_ids
+        return [got[str(i)] for i in range(len(prompts))]
+
+    assert decode(PROMPTS[:2]) == want[:2]
+    assert engine.compiled is not None and engine.compiled.hits == 0 and engine.counters.verify_rounds == 0
+    release.set()
+    assert engine.warmup.join(300) and engine.profile_measurable
+    assert engine.compiled.buckets == ["1x1", "Nx1", "1xN"]
+    engine.measure_due_profile()
+    assert engine.policy is not None and engine.profile_due is None and (tmp_path / "profile.json").exists()
+    assert engine.compiled.hits > 0  # the profile timed the compiled steps
+    assert decode(PROMPTS) == want
+    assert not engine.describe()["compiling"]

@@ -20,6 +20,7 @@ from specserve.engine.adaptive import (
     AdaptivePolicy,
     CostProfile,
     engine_profile,
+    measure_profile,
     monotone,
     profile_grid,
     profile_key,
@@ -27,6 +28,7 @@ from specserve.engine.adaptive import (
 )
 from specserve.engine.adaptive.costs import robust_update
 from specserve.engine.adaptive.explore import REFRESH_PASSES, TRY_PASSES
+from specserve.engine.adaptive.measure import extend_row, measured_widths
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
@@ -266,6 +268,22 @@ def test_profile_grid() -> None:
     assert profile_grid(64, 11) == ([1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5, 9, 12])
     assert profile_grid(6, 2) == ([1, 2, 4, 6], [1, 2, 3])
     assert profile_grid(1, 1) == ([1], [1, 2])
+
+
+def test_tall_shapes_are_continued_in_proportion_to_their_tokens() -> None:
+    """Shapes of more than `max_tokens` tokens are not run (two widths per batch always are): past the widest
+    one run, a batch's time grows with its tokens."""
+    ran: list[tuple[int, int]] = []
+
+    def forward(b: int, q: int) -> None:
+        ran.append((b, q))
+
+    profile = measure_profile(forward, "k", [1, 4, 32], [1, 2, 3, 5, 9], repeats=1, max_tokens=16)
+    assert sorted(set(ran)) == [(1, 1), (1, 2), (1, 3), (1, 5), (1, 9), (4, 1), (4, 2), (4, 3), (32, 1), (32, 2)]
+    assert measured_widths(32, [1, 2, 3], 16) == [1, 2] and measured_widths(4, [1, 2, 3], None) == [1, 2, 3]
+    assert extend_row([1, 2, 3, 5, 9], [1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0, 5.0, 9.0]
+    assert extend_row([1, 2, 3, 5], [0.5, 4.0]) == [0.5, 4.0, 6.0, 10.0]
+    assert len(profile.seconds[2]) == 5
 
 
 def test_engine_profile_measures_once_then_loads(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -166,7 +166,7 @@ def start_server(model: str, extra: Sequence[str], log: Path, timeout_s: float,
     `env`: the server's environment (default: this process's)."""
     port = free_port()
     cmd = [sys.executable, "-m", "specserve.server.cli", "--model", model, *extra, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning"]
+           "--port", str(port), "--log-level", "warning", "--no-background-compile"]  # timed: compiled first
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -264,7 +264,8 @@ def _engine_defaults(entries: list[GridEntry], engine: str) -> list[GridEntry]:
 def _specserve_argv(args: argparse.Namespace, cand: Candidate) -> list[str]:
     return [sys.executable, "-m", "specserve.server.cli", "--model", args.model, "--device", args.device, "--dtype",
             args.dtype, "--quantization", args.quantization, *cand.tokens(),
-            "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
+            "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
+            "--no-background-compile"]  # the timed runs meet the compiled steps
 
 
 def plan_launches(args: argparse.Namespace, candidates: list[Candidate],

@@ -17,6 +17,7 @@ what each produced. Not thread-safe: the serving wrapper (`server/batch_serving.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.engine.adaptive import AdaptivePolicy, engine_profile, streak_class
+from specserve.engine.adaptive.measure import default_profile_path, profile_key, profile_slots, saved_profile
 from specserve.engine.compiled import CompiledSteps
 from specserve.engine.drafting import draft_trees
 from specserve.engine.engine_config import EngineConfig, EngineCounters, EngineStats, RequestStats, StepOutput
@@ -44,6 +46,7 @@ from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Sche
 from specserve.engine.sequence import Sequence
 from specserve.engine.shadow import ShadowRounds
 from specserve.engine.stops import StopChecker
+from specserve.engine.warmup import BackgroundWarmup, Warm
 from specserve.kv.block_pool import BlockPool
 from specserve.kv.host_tier import HostBlockStore, HostTier
 from specserve.kv.paged import PagedKVCache
@@ -58,6 +61,8 @@ from specserve.types import SamplingParams
 
 #: prefill chunks up to this long ride in a decode forward (a KV block: what a prefix-cache hit leaves)
 MERGE_TOKENS = 16
+
+log = logging.getLogger("specserve.engine")
 
 
 @dataclass
@@ -77,6 +82,15 @@ class _Request:
         g = self.grammar
         return RequestStats(tuple(self.accept_lengths), self.checker.stop_text_at, tuple(self.draft_tokens),
                             g.masks if g is not None else 0, g.mask_s if g is not None else 0.0, self.forced_drafts)
+
+
+@dataclass(frozen=True)
+class DueProfile:
+    """A cost profile to measure once the compiled steps are ready: where it goes, the KV blocks held for it."""
+
+    path: Path
+    blocks: list[int]
+    slots: list[int]  # the blocks' slots, in order
 
 
 class BatchEngine:
@@ -140,6 +154,8 @@ class BatchEngine:
         self.grammars = grammars
         self._requests: dict[str, _Request] = {}
         self._block_offsets = range(config.kv_block_size)
+        self.warmup: BackgroundWarmup | None = None  # compiling the steps while serving (`warm_compiled`)
+        self.profile_due: DueProfile | None = None  # the adaptive profile, measured once they are compiled
 
     @staticmethod
     def pool_blocks(model: CausalLM, config: EngineConfig, drafters: DrafterBuilder | None) -> int:
@@ -149,14 +165,40 @@ class BatchEngine:
                                                feature_dim=len(capture) * model.config.hidden_size)
         return max(1, int(config.kv_cache_gb * 2**30 // block_bytes))
 
-    def adapt(self, profile_path: Path | None = None) -> Path | None:
+    def adapt(self, profile_path: Path | None = None, defer: bool = False) -> Path | None:
         """Speculate adaptively from now on: the cost profile is loaded from `profile_path` (or the per-machine
-        default) or measured there first. Returns the profile's path; None where there is nothing to adapt."""
+        default) or measured there first. `defer`: where none is saved, measure it once a background warm-up
+        has compiled the steps it times (`measure_due_profile`), decoding plainly until then. Returns the
+        profile's path; None where there is nothing to adapt."""
         if self.drafters is None or self.max_draft == 0:
             return None
-        profile, path = engine_profile(self, profile_path)
+        path = profile_path or default_profile_path(profile_key(self))
+        saved = saved_profile(path, profile_key(self))
+        if saved is None and defer:
+            bs = self.config.kv_block_size
+            blocks = self.pool.allocate(-(-profile_slots(self.max_draft) // bs))  # held until it is measured
+            self.profile_due = DueProfile(path, blocks, [b * bs + o for b in blocks for o in range(bs)])
+            return path
+        profile, path = engine_profile(self, path)
         self.policy = AdaptivePolicy(profile, self.max_draft, stepwise=self.drafters.stepwise)
         return path
+
+    @property
+    def profile_measurable(self) -> bool:
+        """Whether a deferred profile is due and the compiled steps it times are ready."""
+        return self.profile_due is not None and (self.warmup is None or not self.warmup.running)
+
+    def measure_due_profile(self) -> None:
+        """Measure the deferred cost profile now, between steps (on its own KV blocks), and adapt from now on."""
+        due = self.profile_due
+        assert due is not None and self.drafters is not None
+        try:
+            profile, path = engine_profile(self, due.path, slots=due.slots)
+        finally:  # a failure leaves the engine speculating at full width (no policy), its blocks back
+            self.pool.free(due.blocks)
+            self.profile_due = None
+        self.policy = AdaptivePolicy(profile, self.max_draft, stepwise=self.drafters.stepwise)
+        log.info("adaptive speculation: cost profile %s", path)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's queues, KV pool, prefix cache, host tier and counters."""
@@ -195,21 +237,27 @@ class BatchEngine:
             "speculative_adaptive": self.policy is not None,
             "compiled_steps": self.compiled is not None,
             "compiled_buckets": self.compiled.buckets if self.compiled is not None else [],
+            "compiling": self.warmup is not None and self.warmup.running,
+            "adaptive_profile_due": self.profile_due is not None,
             "compiled_drafting": self.drafters.compiled.graphs if self.drafters and self.drafters.compiled else [],
         }
 
-    def warm_compiled(self, progress: bool = True, max_batch: int | None = None) -> None:
+    def warm_compiled(self, progress: bool = True, max_batch: int | None = None, background: bool = False) -> None:
         """Compile, before serving, the shapes a server meets (`CompiledSteps.startup_buckets`): one plain
         decode, batches up to --cuda-graph-max-bs (none where `max_batch` is 1) and one request's trees up to the
-        drafter's widest."""
+        drafter's widest. `background`: on a thread of their own while the engine serves eager (`warmup.py`)."""
         if self.compiled is None:
             return
         steps = self.compiled
         capture = self.capture
-        wanted: list[tuple[str, Callable[[], None]]] = [(str(b), partial(steps.warm, b, capture))
-                                                        for b in steps.startup_buckets()
-                                                        if b.batch == 1 or max_batch is None or max_batch > 1]
+        wanted: list[Warm] = [(str(b), partial(steps.warm, b, capture)) for b in steps.startup_buckets()
+                              if b.batch == 1 or max_batch is None or max_batch > 1]
+        chains = self.drafters.compiled if self.drafters is not None else None
         wanted += self.drafters.drafting_warmups() if self.drafters is not None else []
+        if background:
+            self.warmup = BackgroundWarmup([*steps.fns, *(chains.fns if chains is not None else [])], wanted,
+                                           progress)
+            return
         bar = tqdm(wanted, desc="compiling decode steps", unit="shape", disable=not progress)
         for name, warm in bar:
             bar.set_postfix_str(name)
@@ -296,7 +344,7 @@ class BatchEngine:
         return outs
 
     def _lookahead(self) -> int:
-        if self.drafters is None:
+        if self.drafters is None or self.profile_due is not None:  # no drafts before the profile says they pay
             return 0
         if self.policy is None:
             return self.max_draft

@@ -61,6 +61,11 @@ class CompiledSteps:
         model.rotary.reserve(model.config.max_position_embeddings, cache.device)
 
     @property
+    def fns(self) -> list[CompiledFns[Key]]:
+        """The compiled functions (`CompiledFns.lazy` is switched off while a background warm-up runs)."""
+        return [self._steps]
+
+    @property
     def buckets(self) -> list[str]:
         """The shapes compiled so far ("1x1", "Nx1", "1xN"), for /server_info."""
         return [str(b) for b in (ONE, BATCH, TREE) if any(k == b for k, _ in self._steps.ran)]
@@ -86,7 +91,8 @@ class CompiledSteps:
         """Compile `bucket` now (at load) with a pass over the scratch slot (a failure is logged: eager)."""
         scratch = self.cache.scratch
         b, q = bucket.batch or 2, bucket.width or 2
-        self._run(bucket, [Row([0] * q, list(range(q)), [scratch] * q, [scratch]) for _ in range(b)], capture)
+        self._run(bucket, [Row([0] * q, list(range(q)), [scratch] * q, [scratch]) for _ in range(b)], capture,
+                  warming=True)
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
@@ -98,7 +104,8 @@ class CompiledSteps:
             self.hits += 1
         return out
 
-    def _run(self, bucket: Bucket, rows: list[Row], capture: tuple[int, ...]) -> list[RowOutput] | None:
+    def _run(self, bucket: Bucket, rows: list[Row], capture: tuple[int, ...],
+             warming: bool = False) -> list[RowOutput] | None:
         dev, scratch = self.cache.device, self.cache.scratch
         q = max(r.q for r in rows)  # every row's width (batches are of one-token decodes)
         k_len = max(2, max(len(r.context) + r.q for r in rows))  # >= 2: sizes 0 and 1 specialize
@@ -117,7 +124,7 @@ class CompiledSteps:
             for t, dim in ((ids, 1), (pos, 1), (write, 0), (m, 2)):
                 torch._dynamo.mark_dynamic(t, dim)
         out = self._steps.call((bucket, capture), lambda: self._compile(bucket, capture), f"the {bucket} decode step",
-                               ids, pos, write, read, m)
+                               ids, pos, write, read, m, warming=warming)
         if out is None:
             return None
         logits, captured = out  # [B, Q, V], [B, Q, n*H]

@@ -138,19 +138,23 @@ class LLM:
 
     def make_engine(self, config: EngineConfig, drafters: DrafterBuilder | None = None, plain: bool = False,
                     adaptive: bool = False, profile_path: Path | None = None,
-                    trace_path: Path | None = None, warm_compiled: bool = False) -> BatchEngine:
+                    trace_path: Path | None = None, warm_compiled: bool = False,
+                    background: bool = False) -> BatchEngine:
         """A continuous-batching engine on this target: with this LLM's drafter (or `drafters`), or plain.
         `adaptive`: its cost profile is loaded from `profile_path` (or the per-machine default) or measured
         first. `trace_path`: a JSON line per pass (`engine/pass_log.py`). `warm_compiled`: compile the decode steps
-        a server meets at once now, before the profile is measured on them (else each compiles on first use)."""
+        a server meets at once now, before the profile is measured on them (else each compiles on first use);
+        `background`: on a thread of their own while the engine serves eager, a missing profile measured once
+        they are ready (`engine/warmup.py`)."""
         builder = None if plain else (drafters or self.drafter_builder)
         passes = PassLog(trace_path) if trace_path else None
         engine = BatchEngine(self.model, self.eos_ids, self.tokenizer.decode, config, builder, pass_log=passes,
                              grammars=self.grammars)
         if warm_compiled:
-            engine.warm_compiled()
-        if adaptive and (path := engine.adapt(profile_path)) is not None:
-            log.info("adaptive speculation: cost profile %s", path)
+            engine.warm_compiled(background=background)
+        if adaptive and (path := engine.adapt(profile_path, defer=engine.warmup is not None)) is not None:
+            due = " (measured once the decode steps are compiled)" if engine.profile_due is not None else ""
+            log.info("adaptive speculation: cost profile %s%s", path, due)
         return engine
 
     def generate(

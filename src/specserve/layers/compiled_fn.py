@@ -3,7 +3,8 @@
 Shared by the engine's decode steps (`engine/compiled.py`) and EAGLE-3's chain rounds
 (`speculative/eagle3/compiled.py`). The first call of a key compiles: whatever inductor raises there (no C++
 compiler, an unsupported op) is logged and the key's calls run eager from then on; a failure after a key has run
-once is a real error and is raised.
+once is a real error and is raised. While a background warm-up compiles the keys a server meets, `lazy` is off:
+other calls of a key not compiled yet return None (eager) rather than compile it a second time on their thread.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class CompiledFns(Generic[K]):
         self._fns: dict[K, Compiled] = {}
         self.ran: set[K] = set()
         self.failed: set[K] = set()
+        self.lazy = True  # whether any call may compile its key (off during a background warm-up)
 
-    def call(self, key: K, build: Callable[[], Compiled], what: str, *args: Any) -> Any | None:
+    def call(self, key: K, build: Callable[[], Compiled], what: str, *args: Any, warming: bool = False) -> Any | None:
         """The compiled function of `key` (built by `build` the first time) on `args`; None where its first call
-        failed to compile (`what` names it in the warning) or an earlier one did: the caller runs eager."""
-        if key in self.failed:
+        failed to compile (`what` names it in the warning) or an earlier one did, or where it has not run and
+        only a warm-up (`warming`) may compile it now: the caller runs eager."""
+        if key in self.failed or not (self.lazy or warming or key in self.ran):
             return None
         fn = self._fns.get(key) or self._fns.setdefault(key, build())
         try:

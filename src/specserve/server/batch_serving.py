@@ -205,9 +205,16 @@ class BatchServingEngine:
     def _run_steps(self) -> None:
         e = self._engine
         while True:
+            if e.profile_measurable:  # once, after a background warm-up (`engine/warmup.py`), between steps
+                try:
+                    e.measure_due_profile()
+                except Exception:
+                    log.exception("measuring the adaptive cost profile failed; speculating without it")
             with self._cv:
                 while not self._inbox and not self._aborts and not e.has_unfinished and not self._closed:
-                    self._cv.wait()
+                    if e.profile_measurable:
+                        break
+                    self._cv.wait(timeout=0.5 if e.profile_due is not None else None)
                 if self._closed and not self._inbox and not self._aborts and not e.has_unfinished:
                     return
                 inbox, self._inbox = self._inbox, []

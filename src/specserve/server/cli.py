@@ -76,7 +76,8 @@ def run_server(cfg: ServeConfig) -> int:
         profile, trace = cfg.speculative_adaptive_profile, cfg.speculative_adaptive_trace
         return llm, llm.make_engine(cfg.engine, adaptive=cfg.speculative_adaptive,
                                     profile_path=Path(profile) if profile else None,
-                                    trace_path=Path(trace) if trace else None, warm_compiled=True)
+                                    trace_path=Path(trace) if trace else None, warm_compiled=True,
+                                    background=cfg.background_compile)
 
     # not on the main thread, which would keep an idle OpenMP team beside the engine thread's (threads.py)
     llm, engine = run_in_passing_thread(load)

@@ -50,6 +50,7 @@ class ServeConfig:
     speculative_adaptive_profile: str | None = None
     speculative_adaptive_trace: str | None = None  # JSON-lines log of every decode pass
     overlap_schedule: bool = True
+    background_compile: bool = True  # compiled steps built while serving eager (engine/warmup.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -121,6 +122,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="no compiled decode steps (vLLM's --enforce-eager; SGLang's --disable-cuda-graph)")
     e.add_argument("--cuda-graph-max-bs", type=int, default=16,
                    help="the largest decode batch a compiled step is built for (larger batches run eager)")
+    e.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve at once, eager, while the decode steps compile on a thread of their own (a missing "
+                        "adaptive profile is measured once they are ready); --no-background-compile compiles them "
+                        "before the server listens")
     add_speculative_args(p)
     s = p.add_argument_group("adaptive speculation")
     s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -225,7 +230,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         ),
         speculative_adaptive=ns.speculative_adaptive, speculative_adaptive_profile=ns.speculative_adaptive_profile,
         speculative_adaptive_trace=ns.speculative_adaptive_trace,
-        overlap_schedule=not ns.disable_overlap_schedule,
+        overlap_schedule=not ns.disable_overlap_schedule, background_compile=ns.background_compile,
     )
     if config_path:
         check_frozen(config_path, cfg)

@@ -49,19 +49,23 @@ class ProfiledEngine(Protocol):
 log = logging.getLogger("specserve.engine")
 
 PROFILE_CONTEXT = 128  # context tokens per row while timing
+PROFILE_TOKENS = 64  # shapes of more tokens (rows x q) are continued from smaller ones, not timed
 
 
 def measure_profile(
     forward: Callable[[int, int], None], key: str, batch_sizes: list[int], widths: list[int], repeats: int = 3,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, max_tokens: int | None = None,
 ) -> CostProfile:
     """forward(batch, q) runs one target forward of that shape; the fastest of `repeats` after a warm-up, the
-    grid then made `monotone`."""
+    grid then made `monotone`. `max_tokens`: shapes of more tokens (batch x q) are not run but continued from
+    their batch's widest measured one (`extend_row`; at least two widths per batch are run): past a few dozen
+    tokens a CPU forward is compute-bound, and the tall shapes took most of a fresh start's profile."""
     grid: list[list[float]] = []
-    total, done = len(batch_sizes) * len(widths), 0
+    total = sum(len(measured_widths(b, widths, max_tokens)) for b in batch_sizes)
+    done = 0
     for b in batch_sizes:
         row: list[float] = []
-        for q in widths:
+        for q in measured_widths(b, widths, max_tokens):
             forward(b, q)
             times = []
             for _ in range(repeats):
@@ -72,16 +76,32 @@ def measure_profile(
             done += 1
             if progress is not None:
                 progress(done, total)
-        grid.append(row)
+        grid.append(extend_row(widths, row))
     return CostProfile(key, tuple(batch_sizes), tuple(widths), monotone(grid))
 
 
-def profile_forward(engine: ProfiledEngine, batch: int, q: int) -> None:
-    """One target pass of `batch` rows of q new tokens over a PROFILE_CONTEXT-token context (scratch K/V in the
-    pool's first slots): what the engine's pass of that shape runs, compiled or eager."""
-    row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)),
-              write_slots=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), context=list(range(PROFILE_CONTEXT)),
-              logits="all")
+def measured_widths(batch: int, widths: list[int], max_tokens: int | None) -> list[int]:
+    """The widths of `batch`'s row that are timed: those of at most `max_tokens` tokens, and at least two."""
+    if max_tokens is None:
+        return widths
+    fits = [q for q in widths if batch * q <= max_tokens]
+    return widths[: max(len(fits), min(2, len(widths)))]
+
+
+def extend_row(widths: list[int], measured: list[float]) -> list[float]:
+    """A batch's times at every width from those of its first widths: past the last one measured, in proportion
+    to the tokens (a compute-bound forward's cost; its fixed part makes this an overestimate, on the side of
+    drafting less)."""
+    q_last, t_last = widths[len(measured) - 1], measured[-1]
+    return [*measured, *(t_last * q / q_last for q in widths[len(measured):])]
+
+
+def profile_forward(engine: ProfiledEngine, batch: int, q: int, slots: list[int]) -> None:
+    """One target pass of `batch` rows of q new tokens over a PROFILE_CONTEXT-token context (scratch K/V in
+    `slots`): what the engine's pass of that shape runs, compiled or eager."""
+    ctx, new = slots[:PROFILE_CONTEXT], slots[PROFILE_CONTEXT:PROFILE_CONTEXT + q]
+    row = Row(token_ids=[0] * q, positions=list(range(PROFILE_CONTEXT, PROFILE_CONTEXT + q)), write_slots=new,
+              context=ctx, logits="all")
     engine.target_forward([row] * batch)
 
 
@@ -120,32 +140,50 @@ def default_profile_path(key: str) -> Path:
     return root / "specserve" / "adaptive" / f"{key}.json"
 
 
-def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: bool = True) -> tuple[CostProfile, Path]:
+def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: bool = True,
+                   slots: list[int] | None = None) -> tuple[CostProfile, Path]:
     """Load the saved profile at `path` (default: per key under ~/.cache/specserve) or measure and save it.
 
-    Call before the engine serves: timing writes scratch K/V into free blocks of the pool.
+    Timing writes scratch K/V: into `slots` (at least `profile_slots`, held for it), or else the pool's first
+    slots, so then call it before the engine serves.
     """
     key = profile_key(engine)
     path = path or default_profile_path(key)
-    if path.exists():
-        try:
-            saved = CostProfile.load(path)
-            if saved.key == key:
-                return saved, path
-        except (ValueError, KeyError, json.JSONDecodeError):
-            pass  # unreadable or stale: measure again
-    if engine.has_unfinished or engine.pool.num_free != engine.pool.num_blocks:
-        raise RuntimeError("measure the adaptive profile before the engine takes requests (it writes scratch K/V)")
+    saved = saved_profile(path, key)
+    if saved is not None:
+        return saved, path
     batches, widths = profile_grid(engine.config.max_num_seqs, engine.max_draft)
-    need = PROFILE_CONTEXT + max(widths)
-    if need > engine.kv.num_slots:
+    need = profile_slots(engine.max_draft)
+    if slots is None:
+        if engine.has_unfinished or engine.pool.num_free != engine.pool.num_blocks:
+            raise RuntimeError("measure the adaptive profile before the engine takes requests (it writes scratch "
+                               "K/V), or on slots held for it")
+        slots = list(range(need))
+    if need > min(len(slots), engine.kv.num_slots):
         raise ValueError(f"the KV pool ({engine.kv.num_slots} slots) is too small to profile {need}-token rows")
-    bar = tqdm(total=len(batches) * len(widths), desc="adaptive profile", unit="shape", disable=not progress)
-    profile = measure_profile(lambda b, q: profile_forward(engine, b, q), key, batches, widths,
-                              progress=lambda done, _total: bar.update(1))
+    bar = tqdm(total=sum(len(measured_widths(b, widths, PROFILE_TOKENS)) for b in batches), desc="adaptive profile",
+               unit="shape", disable=not progress)
+    profile = measure_profile(lambda b, q: profile_forward(engine, b, q, slots), key, batches, widths,
+                              progress=lambda done, _total: bar.update(1), max_tokens=PROFILE_TOKENS)
     bar.close()
     try:
         profile.save(path)
     except OSError as e:  # an unwritable cache must not stop the server: use the profile, say it was not kept
         log.warning("adaptive profile not saved to %s (%s); pass --speculative-adaptive-profile PATH", path, e)
     return profile, path
+
+
+def saved_profile(path: Path, key: str) -> CostProfile | None:
+    """The profile saved at `path` if it was measured for `key`; None if missing, unreadable or stale."""
+    if not path.exists():
+        return None
+    try:
+        saved = CostProfile.load(path)
+    except (ValueError, KeyError, json.JSONDecodeError):
+        return None
+    return saved if saved.key == key else None
+
+
+def profile_slots(max_draft: int) -> int:
+    """KV slots a profile's rows use: the context and the widest verify."""
+    return PROFILE_CONTEXT + max_draft + 1

@@ -56,6 +56,11 @@ class CompiledChains:
         model.rotary.reserve(model.config.layer.max_position_embeddings + PAD + max_steps, self.device)
 
     @property
+    def fns(self) -> list[CompiledFns[int]]:
+        """The compiled functions (`CompiledFns.lazy` is switched off while a background warm-up runs)."""
+        return [self._rounds]
+
+    @property
     def graphs(self) -> list[str]:
         """The chain lengths compiled so far, as /server_info reports them."""
         return [f"eagle3-chain-{s}" for s in sorted(self._rounds.ran)]
@@ -74,11 +79,11 @@ class CompiledChains:
         cfg = self.model.config.layer
         cache = ContiguousKVCache.allocate(cfg, 1, self.slots_needed(2, steps), self.device, self.dtype, num_layers=1)
         hidden = torch.zeros(1, target_hidden, device=self.device, dtype=self.dtype)
-        self.run(cache, [0], hidden, 2, steps)
+        self.run(cache, [0], hidden, 2, steps, warming=True)
 
     @torch.inference_mode()
     def run(self, cache: ContiguousKVCache, tokens: list[int], hidden: torch.Tensor, start: int,
-            steps: int) -> torch.Tensor | None:
+            steps: int, warming: bool = False) -> torch.Tensor | None:
         """tokens [n] the pending pairs' next tokens (the root last), hidden [n, 3·Ht] their captured target
         states, committed at slots start.. -> the S greedy drafts [S] (target ids), or None: run it eager."""
         n = len(tokens)
@@ -95,7 +100,7 @@ class CompiledChains:
         torch._dynamo.mark_dynamic(k, 2)
         torch._dynamo.mark_dynamic(v, 2)
         return self._rounds.call(steps, lambda: self._compile(steps), f"the EAGLE-3 {steps}-step chain",
-                                 ids, feats, counts, read, k, v)  # [S]
+                                 ids, feats, counts, read, k, v, warming=warming)  # [S]
 
     def _compile(self, steps: int) -> Compiled:
         model, embed = self.model, self.embed
