@@ -14,6 +14,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.gguf_dir import smollm2_gguf
 from specserve.models.loader import resolve_model_path
+from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 
@@ -90,13 +91,17 @@ def test_readme_command_answers_with_code(capsys: pytest.CaptureFixture[str]) ->
     assert "def " in out["text"] and out["num_verify_steps"] > 0
 
 
+def drafters(llm: LLM, algorithm: str) -> DrafterBuilder:
+    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter."""
+    return DrafterBuilder(plan_drafter(SpeculativeConfig.resolve(algorithm), llm.config), llm.model, llm.device,
+                          llm.dtype)
+
+
 def test_ngram_speculation_is_exact_in_float32(f32: LLM) -> None:
-    spec = LLM("smollm2", quantization="none", enforce_eager=True,
-               speculative=SpeculativeConfig.resolve("NGRAM"))
     prompts = [chat(f32, t) for t in TASKS[:2]]
     params = SamplingParams(max_new_tokens=48)
     ref = [o.token_ids for o in f32.generate(prompts, params)]
-    outs = spec.generate(prompts, params)
+    outs = f32.generate_with(drafters(f32, "NGRAM"), prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert any(o.num_verify_steps for o in outs)
 
@@ -104,12 +109,12 @@ def test_ngram_speculation_is_exact_in_float32(f32: LLM) -> None:
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_quantized_speculation_is_exact(mode: str) -> None:
     """Row-invariant products and attention: n-gram chains and suffix trees verify to plain decoding's tokens."""
-    plain = LLM("smollm2", quantization=mode, enforce_eager=True)
-    prompts = [chat(plain, t) for t in TASKS]
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM("smollm2", quantization=mode, enforce_eager=True)
+    prompts = [chat(llm, t) for t in TASKS]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompts, params)]
     for alg in ("NGRAM", "SUFFIX"):
-        spec = LLM("smollm2", quantization=mode, enforce_eager=True, speculative=SpeculativeConfig.resolve(alg))
-        outs = [spec.generate([p], params)[0] for p in prompts]  # one at a time: batch 1, as offline decoding
+        builder = drafters(llm, alg)
+        outs = [llm.generate_with(builder, [p], params)[0] for p in prompts]  # one at a time: batch 1, as offline
         assert [o.token_ids for o in outs] == ref, alg
         assert any(o.num_verify_steps for o in outs), alg
