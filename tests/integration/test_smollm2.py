@@ -110,8 +110,8 @@ def test_ngram_speculation_is_exact_in_float32(f32: LLM) -> None:
 def test_quantized_speculation_is_exact(mode: str) -> None:
     """Row-invariant products and attention: n-gram chains and suffix trees verify to plain decoding's tokens."""
     llm = LLM("smollm2", quantization=mode, enforce_eager=True)
-    prompts = [chat(llm, t) for t in TASKS]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [chat(llm, t) for t in TASKS[:3]]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
     for alg in ("NGRAM", "SUFFIX"):
         builder = drafters(llm, alg)
