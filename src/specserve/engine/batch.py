@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from specserve.engine.adaptive import AdaptivePolicy, engine_profile, streak_class
 from specserve.engine.adaptive.measure import default_profile_path, profile_key, profile_slots, saved_profile
@@ -46,11 +46,12 @@ from specserve.engine.scheduler import BatchPlan, DecodeItem, PrefillChunk, Sche
 from specserve.engine.sequence import Sequence
 from specserve.engine.shadow import ShadowRounds
 from specserve.engine.stops import StopChecker
-from specserve.engine.warmup import BackgroundWarmup, Warm
+from specserve.engine.warmup import BackgroundWarmup, Warm, run_warmups
 from specserve.kv.block_pool import BlockPool
 from specserve.kv.host_tier import HostBlockStore, HostTier
 from specserve.kv.paged import PagedKVCache
 from specserve.kv.radix import RadixCache
+from specserve.layers.compiled_fn import CompiledFns
 from specserve.layers.sampling import make_generator, pick, target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.drafter import Drafter
@@ -90,7 +91,6 @@ class DueProfile:
 
     path: Path
     blocks: list[int]
-    slots: list[int]  # the blocks' slots, in order
 
 
 class BatchEngine:
@@ -172,14 +172,15 @@ class BatchEngine:
         profile's path; None where there is nothing to adapt."""
         if self.drafters is None or self.max_draft == 0:
             return None
-        path = profile_path or default_profile_path(profile_key(self))
-        saved = saved_profile(path, profile_key(self))
-        if saved is None and defer:
-            bs = self.config.kv_block_size
-            blocks = self.pool.allocate(-(-profile_slots(self.max_draft) // bs))  # held until it is measured
-            self.profile_due = DueProfile(path, blocks, [b * bs + o for b in blocks for o in range(bs)])
+        key = profile_key(self)
+        path = profile_path or default_profile_path(key)
+        profile = saved_profile(path, key)
+        if profile is None and defer:  # its blocks held until it is measured
+            self.profile_due = DueProfile(path, self.pool.allocate(-(-profile_slots(self.max_draft) //
+                                                                     self.config.kv_block_size)))
             return path
-        profile, path = engine_profile(self, path)
+        if profile is None:
+            profile, path = engine_profile(self, path)
         self.policy = AdaptivePolicy(profile, self.max_draft, stepwise=self.drafters.stepwise)
         return path
 
@@ -192,8 +193,9 @@ class BatchEngine:
         """Measure the deferred cost profile now, between steps (on its own KV blocks), and adapt from now on."""
         due = self.profile_due
         assert due is not None and self.drafters is not None
+        bs = self.config.kv_block_size
         try:
-            profile, path = engine_profile(self, due.path, slots=due.slots)
+            profile, path = engine_profile(self, due.path, slots=[b * bs + o for b in due.blocks for o in range(bs)])
         finally:  # a failure leaves the engine speculating at full width (no policy), its blocks back
             self.pool.free(due.blocks)
             self.profile_due = None
@@ -255,13 +257,10 @@ class BatchEngine:
         chains = self.drafters.compiled if self.drafters is not None else None
         wanted += self.drafters.drafting_warmups() if self.drafters is not None else []
         if background:
-            self.warmup = BackgroundWarmup([*steps.fns, *(chains.fns if chains is not None else [])], wanted,
-                                           progress)
-            return
-        bar = tqdm(wanted, desc="compiling decode steps", unit="shape", disable=not progress)
-        for name, warm in bar:
-            bar.set_postfix_str(name)
-            warm()
+            fns: list[CompiledFns[Any]] = [steps.compiled_fns, *([chains.compiled_fns] if chains else [])]
+            self.warmup = BackgroundWarmup(fns, wanted, progress)
+        else:
+            run_warmups(wanted, "compiling decode steps", progress)
 
     # -- requests
 

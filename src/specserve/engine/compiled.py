@@ -61,9 +61,9 @@ class CompiledSteps:
         model.rotary.reserve(model.config.max_position_embeddings, cache.device)
 
     @property
-    def fns(self) -> list[CompiledFns[Key]]:
-        """The compiled functions (`CompiledFns.lazy` is switched off while a background warm-up runs)."""
-        return [self._steps]
+    def compiled_fns(self) -> CompiledFns[Key]:
+        """Its compiled functions (`CompiledFns.lazy` is switched off while a background warm-up runs)."""
+        return self._steps
 
     @property
     def buckets(self) -> list[str]:

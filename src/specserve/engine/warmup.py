@@ -24,6 +24,14 @@ log = logging.getLogger("specserve.engine")
 Warm = tuple[str, Callable[[], None]]  # (shape name, compile it now)
 
 
+def run_warmups(warmups: list[Warm], desc: str, progress: bool) -> None:
+    """Compile each shape in turn under a progress bar naming it."""
+    bar = tqdm(warmups, desc=desc, unit="shape", disable=not progress)
+    for name, warm in bar:
+        bar.set_postfix_str(name)
+        warm()
+
+
 class BackgroundWarmup:
     """Runs `warmups` on a daemon thread; `done` is set when all have run (or one raised: logged, eager)."""
 
@@ -32,7 +40,6 @@ class BackgroundWarmup:
         self._warmups = warmups
         self._progress = progress
         self.done = threading.Event()
-        self.seconds: float | None = None  # how long it took, once done
         for f in fns:
             f.lazy = False
         self._thread = threading.Thread(target=self._run, name="specserve-compile", daemon=True)
@@ -49,16 +56,11 @@ class BackgroundWarmup:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            bar = tqdm(self._warmups, desc="compiling decode steps (serving eager meanwhile)", unit="shape",
-                       disable=not self._progress)
-            for name, warm in bar:
-                bar.set_postfix_str(name)
-                warm()
+            run_warmups(self._warmups, "compiling decode steps (serving eager meanwhile)", self._progress)
         except Exception:  # the shapes not compiled run eager; serving goes on
             log.exception("compiling the decode steps in the background failed; they run eager")
         finally:
             for f in self._fns:
                 f.lazy = True
-            self.seconds = time.perf_counter() - t0
-            log.info("compiled decode steps ready after %.1f s", self.seconds)
+            log.info("compiled decode steps ready after %.1f s", time.perf_counter() - t0)
             self.done.set()

@@ -61,11 +61,11 @@ def measure_profile(
     their batch's widest measured one (`extend_row`; at least two widths per batch are run): past a few dozen
     tokens a CPU forward is compute-bound, and the tall shapes took most of a fresh start's profile."""
     grid: list[list[float]] = []
-    total = sum(len(measured_widths(b, widths, max_tokens)) for b in batch_sizes)
-    done = 0
-    for b in batch_sizes:
+    timed = [measured_widths(b, widths, max_tokens) for b in batch_sizes]
+    total, done = sum(map(len, timed)), 0
+    for b, row_widths in zip(batch_sizes, timed, strict=True):
         row: list[float] = []
-        for q in measured_widths(b, widths, max_tokens):
+        for q in row_widths:
             forward(b, q)
             times = []
             for _ in range(repeats):
@@ -161,10 +161,14 @@ def engine_profile(engine: ProfiledEngine, path: Path | None = None, progress: b
         slots = list(range(need))
     if need > min(len(slots), engine.kv.num_slots):
         raise ValueError(f"the KV pool ({engine.kv.num_slots} slots) is too small to profile {need}-token rows")
-    bar = tqdm(total=sum(len(measured_widths(b, widths, PROFILE_TOKENS)) for b in batches), desc="adaptive profile",
-               unit="shape", disable=not progress)
+    bar = tqdm(desc="adaptive profile", unit="shape", disable=not progress)
+
+    def advance(_done: int, total: int) -> None:
+        bar.total = total
+        bar.update(1)
+
     profile = measure_profile(lambda b, q: profile_forward(engine, b, q, slots), key, batches, widths,
-                              progress=lambda done, _total: bar.update(1), max_tokens=PROFILE_TOKENS)
+                              progress=advance, max_tokens=PROFILE_TOKENS)
     bar.close()
     try:
         profile.save(path)

@@ -56,9 +56,9 @@ class CompiledChains:
         model.rotary.reserve(model.config.layer.max_position_embeddings + PAD + max_steps, self.device)
 
     @property
-    def fns(self) -> list[CompiledFns[int]]:
-        """The compiled functions (`CompiledFns.lazy` is switched off while a background warm-up runs)."""
-        return [self._rounds]
+    def compiled_fns(self) -> CompiledFns[int]:
+        """Its compiled functions (`CompiledFns.lazy` is switched off while a background warm-up runs)."""
+        return self._rounds
 
     @property
     def graphs(self) -> list[str]:
