@@ -14,7 +14,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.models.gguf_dir import smollm2_gguf
 from specserve.models.loader import resolve_model_path
-from specserve.speculative.factory import DrafterBuilder, plan_drafter
+from specserve.speculative.factory import DrafterBuilder, default_draft_path, plan_drafter
 from specserve.tokenizer import Tokenizer
 from specserve.types import SamplingParams
 
@@ -92,28 +92,31 @@ def test_readme_command_answers_with_code(capsys: pytest.CaptureFixture[str]) ->
 
 
 def drafters(llm: LLM, algorithm: str) -> DrafterBuilder:
-    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter."""
-    return DrafterBuilder(plan_drafter(SpeculativeConfig.resolve(algorithm), llm.config), llm.model, llm.device,
-                          llm.dtype)
+    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter; EAGLE3 is the bundled
+    smollm2-eagle3, found by the target's name as `--model smollm2 --speculative-algorithm EAGLE3` finds it."""
+    spec = SpeculativeConfig.resolve(algorithm, default_draft_path(algorithm, "smollm2"))
+    return DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
 
 
-def test_ngram_speculation_is_exact_in_float32(f32: LLM) -> None:
+def test_ngram_and_eagle3_speculation_is_exact_in_float32(f32: LLM) -> None:
     prompts = [chat(f32, t) for t in TASKS[:2]]
     params = SamplingParams(max_new_tokens=48)
     ref = [o.token_ids for o in f32.generate(prompts, params)]
-    outs = f32.generate_with(drafters(f32, "NGRAM"), prompts, params)
-    assert [o.token_ids for o in outs] == ref
-    assert any(o.num_verify_steps for o in outs)
+    for alg in ("NGRAM", "EAGLE3"):
+        outs = f32.generate_with(drafters(f32, alg), prompts, params)
+        assert [o.token_ids for o in outs] == ref, alg
+        assert any(o.num_verify_steps for o in outs), alg
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_quantized_speculation_is_exact(mode: str) -> None:
-    """Row-invariant products and attention: n-gram chains and suffix trees verify to plain decoding's tokens."""
+    """Row-invariant products and attention: n-gram and EAGLE-3 chains and suffix trees verify to plain decoding's
+    tokens."""
     llm = LLM("smollm2", quantization=mode, enforce_eager=True)
     prompts = [chat(llm, t) for t in TASKS[:3]]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
-    for alg in ("NGRAM", "SUFFIX"):
+    for alg in ("NGRAM", "SUFFIX", "EAGLE3"):
         builder = drafters(llm, alg)
         outs = [llm.generate_with(builder, [p], params)[0] for p in prompts]  # one at a time: batch 1, as offline
         assert [o.token_ids for o in outs] == ref, alg

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from specserve.bench.suites import CHAT_KINDS, default_new_tokens, load_suite
-from specserve.train.chat_prompts import _flip, build_tasks, functions_of
+from specserve.train.chat_prompts import _flip, build_tasks, functions_of, source_files
 
 CODE = '''
 def clamp(value, low, high):
@@ -38,6 +38,12 @@ def test_splits_are_disjoint_and_every_kind_is_built() -> None:
     assert [m["role"] for m in tool["messages"]] == ["user", "assistant", "tool"]
     assert tool["messages"][1]["content"].startswith('<tool_call>[{"name": "read_file"')
     assert build_tasks("train", 40) == train  # reproducible
+    # the validation split (choosing a checkpoint) shares no file with training or the held-out suite
+    val = build_tasks("val", 30)
+    val_files = {t["name"].rsplit(":", 2)[0] for t in val}
+    assert {t["kind"] for t in val} == set(CHAT_KINDS)
+    assert not val_files & {rel for _, rel in source_files("train")}
+    assert not val_files & {t.name.rsplit(":", 2)[0] for t in held}
     assert default_new_tokens("chat-coding") == 64
 
 

@@ -143,7 +143,7 @@ def test_ttt_loss_is_weighted_soft_cross_entropy(target: CausalLM, eagle: Eagle3
         ce = -(target_p * F.log_softmax(eagle.draft_logits(out), dim=-1)).sum(-1)
         ok = valid & (torch.arange(length) >= i)
         expected = expected + 0.8**i * ce[ok].mean()
-    loss, accs = ttt_loss(eagle, embeds, states, target_p, valid, 3, 0.8)
+    loss, accs = ttt_loss(eagle, embeds, states, target_p[valid], valid, 3, 0.8)
     torch.testing.assert_close(loss, expected)
     assert len(accs) == 3 and all(0 <= a <= 1 for a in accs)
 
@@ -153,6 +153,7 @@ def test_draft_vocab_is_the_most_frequent_response_tokens() -> None:
           Example(np.array([1, 7, 7, 4], dtype=np.int32), prompt_len=1)]
     assert draft_vocab_from_data(ex, 10, 2) == [5, 7]  # 7 x3, 5 x2
     assert draft_vocab_from_data(ex, 10, 3) == [2, 5, 7]  # ties (1 each: 2, 4) broken by the lower id
+    assert draft_vocab_from_data(ex, 10, 5) == [2, 4, 5, 7, 9]  # then the prompts' tokens: 9 x3 before 0
     with pytest.raises(ValueError, match="--draft-vocab-size"):
         draft_vocab_from_data(ex, 10, 11)
 

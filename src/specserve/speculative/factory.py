@@ -23,14 +23,13 @@ from specserve.speculative.suffix import SuffixDrafter
 from specserve.speculative.suffix_index import SuffixCache
 from specserve.types import SamplingParams
 
-#: Bundled drafters used when the target is the bundled demo and no draft path is given.
-DEMO_DRAFTERS = {"EAGLE3": "demo-eagle3", "DFLASH": "demo-dflash"}
+#: Bundled drafters used when the target is named (`demo`, `smollm2`) and no draft path is given.
+BUNDLED_DRAFTERS = {("demo", "EAGLE3"): "demo-eagle3", ("demo", "DFLASH"): "demo-dflash",
+                    ("smollm2", "EAGLE3"): "smollm2-eagle3"}
 
 
 def default_draft_path(algorithm: str | None, model: str) -> str | None:
-    if model == "demo" and algorithm:
-        return DEMO_DRAFTERS.get(algorithm.upper())
-    return None
+    return BUNDLED_DRAFTERS.get((model, algorithm.upper())) if algorithm else None
 
 
 def drafter_block_size(draft_path: str) -> int | None:

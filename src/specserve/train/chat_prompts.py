@@ -14,8 +14,9 @@ Kinds, one function each:
   the tool's result.
 
 `train` takes functions from the standard library's training split (`corpus.is_validation` false, tests left
-out); `heldout` from the files of the eight third-party packages the held-out code suite is cut from. The two
-never share a file, and no training prompt shares a function's text with the held-out suite.
+out); `val` from its validation split (other files: for choosing a checkpoint); `heldout` from the files of the
+eight third-party packages the held-out code suite is cut from. No two splits share a file, and no training
+prompt shares a function's text with the held-out suite.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from specserve.bench.suites import CHAT_KINDS as KINDS
 from specserve.train import corpus
 
+SPLITS = ("train", "val", "heldout")
 HELDOUT_PACKAGES = ("httpx", "pydantic", "click", "rich", "jinja2", "aiohttp", "openai", "pip")
 MIN_LINES, MAX_LINES, MAX_CHARS = 5, 30, 1400
 #: one flip per `fix` task: (pattern, replacement), tried in order
@@ -121,10 +123,11 @@ def _stable(key: str) -> int:
 
 
 def source_files(split: str) -> list[tuple[Path, str]]:
-    if split == "train":
+    if split in ("train", "val"):
         root = Path(sysconfig.get_paths()["stdlib"])
         return [(p, str(p.relative_to(root))) for p in corpus.stdlib_files()
-                if not corpus.is_validation(p) and not any(x in ("test", "tests", "idle_test") for x in p.parts)]
+                if corpus.is_validation(p) == (split == "val")
+                and not any(x in ("test", "tests", "idle_test") for x in p.parts)]
     root = Path(sysconfig.get_paths()["purelib"])
     files = []
     for pkg in HELDOUT_PACKAGES:
@@ -136,8 +139,8 @@ def source_files(split: str) -> list[tuple[Path, str]]:
 
 def build_tasks(split: str, count: int, seed: int = 0) -> list[dict[str, Any]]:
     """`count` tasks, the kinds in turn, at most one function per file per kind, reproducibly chosen."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"--split must be train or heldout, got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     if count < 1:
         raise ValueError(f"--count must be at least 1, got {count}")
     rng = random.Random(seed)
@@ -164,7 +167,7 @@ def build_tasks(split: str, count: int, seed: int = 0) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--split", choices=("train", "heldout"), required=True)
+    ap.add_argument("--split", choices=SPLITS, required=True)
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)

@@ -92,3 +92,25 @@ def truncate_log(path: Path, last_step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep))
     os.replace(tmp, path)
+
+
+def round_to_bf16(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Round the weights and the optimizer's floating state to bf16 precision in place (kept in their dtype)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16))
+        for state in opt.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
+                    v.copy_(v.to(torch.bfloat16))
+
+
+def bf16_copy(obj: Any) -> Any:
+    """`obj` (a state dict, nested) with every floating tensor but Adam's `step` as bf16."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(torch.bfloat16) if obj.is_floating_point() and obj.dim() > 0 else obj
+    if isinstance(obj, dict):
+        return {k: v if k == "step" else bf16_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(bf16_copy(v) for v in obj)
+    return obj

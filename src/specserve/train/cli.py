@@ -30,7 +30,8 @@ def _prepare(a: argparse.Namespace) -> int:
     cfg = PrepareConfig(target=a.target, out=a.out, temperature=a.temperature, top_p=a.top_p,
                         max_new_tokens=a.max_new_tokens, samples_per_prompt=a.samples_per_prompt,
                         batch_size=a.batch_size, shard_size=a.shard_size, limit=a.limit, seed=a.seed,
-                        device=a.device, dtype=a.dtype, **extra)
+                        device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager, max_minutes=a.max_minutes,
+                        **extra)
     print(json.dumps(prepare(cfg)))
     return 0
 
@@ -48,7 +49,8 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
     cfg = TrainConfig(out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup_steps,
                       min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                       save_every=a.save_every, log_every=a.log_every, eval_every=a.eval_every, seed=a.seed,
-                      precision=a.precision, resume=a.resume, progress=not a.no_progress)
+                      precision=a.precision, resume=a.resume, progress=not a.no_progress,
+                      max_minutes=a.max_minutes, checkpoint_dtype=a.checkpoint_dtype)
     eval_cfg = EvalConfig(suite=a.eval_suite, num_prompts=a.eval_prompts, max_new_tokens=a.eval_max_new_tokens)
     ctx, device = init_distributed(a.device)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"
@@ -72,6 +74,11 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
             block_size=a.block_size, anchors_per_seq=a.anchors_per_seq, gamma=a.gamma, num_layers=a.num_layers,
             target_layer_ids=ids, mask_token_id=a.mask_token_id, init_from=a.init_from, seed=a.seed,
             soft_label_weight=a.soft_label_weight))
+    if a.feature_cache is not None:
+        from specserve.train.features import build_feature_cache
+
+        objective.use_features(build_feature_cache(a.feature_cache, target, target_dir, objective.capture, data,
+                                                   a.max_len, progress=cfg.progress and ctx.main))
     evaluate = None
     if cfg.eval_every:
         ref = Path(a.reference_draft) if a.reference_draft else None
@@ -141,6 +148,14 @@ def _common_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (under torchrun: cuda:LOCAL_RANK)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop after this many minutes with a checkpoint; `--resume` continues (a run in chunks)")
+    p.add_argument("--checkpoint-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="bfloat16: checkpoint.pt at half the size (weights and optimizer state rounded at every save, "
+                        "and the run goes on from the rounded state, so a resume loses nothing)")
+    p.add_argument("--feature-cache", type=Path, default=None,
+                   help="directory of the target's features, computed once per sequence on first use and read "
+                        "every epoch after (the target is not run again); a killed build resumes")
     p.add_argument("--init-from", default=None, help="start from this drafter directory instead of random weights")
     p.add_argument("--eval-every", type=int, default=0,
                    help="acceptance evaluation every N steps (0 = off); the best one's drafter is kept in --out/best/")
@@ -168,6 +183,10 @@ def add_train_parsers(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="eager decode steps (no compile per batch size; on CPU a wide batch is matmul-bound)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no shard after this many minutes; rerun the same command to go on (chunks)")
     p.set_defaults(func=_prepare)
 
     e = subparsers.add_parser("eagle3", help="train an EAGLE-3 drafter (training-time test)")

@@ -9,8 +9,10 @@ The default is the bundled set of standard-library code openings (`assets/train_
 Output directory:
   prepare.json         the settings; rerunning with the same settings skips finished shards
   shard-00000.npz ...  tokens int32 [N] (prompt + response of each sequence, concatenated),
-                       offsets int64 [S+1], prompt_lens int32 [S]; each written to a temp file, then renamed
-  meta.json            written last: target sizes, counts (the trainers read it)
+                       offsets int64 [S+1], prompt_lens int32 [S], sources str [S] (the prompt's `name`, else
+                       FILE:LINE); compressed, each written to a temp file, then renamed
+  meta.json            rewritten after every shard: target sizes, the shards so far, counts, `complete` (the
+                       trainers read it, so a run stopped by --max-minutes is data as it stands)
 Hidden states are not cached: the trainers run the target on the fly ("online" mode).
 """
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ FORMAT = "specserve-train-shards/1"
 class Prompt:
     where: str  # "FILE:LINE", for messages about this prompt
     text: str | None = None
+    source: str = ""  # the line's `name` (where the prompt comes from), else `where`
     messages: tuple[dict[str, str], ...] | None = None
 
 
@@ -43,10 +47,17 @@ class Prompt:
 class Example:
     tokens: np.ndarray  # [T] int32: prompt then response
     prompt_len: int
+    source: str = ""
+    index: int = -1  # position in the pooled training data (`load_data`): the feature cache's key
 
     @property
     def response_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+
+def _source(obj: dict[str, Any], where: str) -> str:
+    name = obj.get("name")
+    return name if isinstance(name, str) and name else where
 
 
 def read_prompts(path: Path) -> list[Prompt]:
@@ -70,7 +81,7 @@ def read_prompts(path: Path) -> list[Prompt]:
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str) or not obj["prompt"]:
                 raise ValueError(f"{where}: `prompt` must be a non-empty string")
-            prompts.append(Prompt(where, text=obj["prompt"]))
+            prompts.append(Prompt(where, text=obj["prompt"], source=_source(obj, where)))
             continue
         msgs = obj["messages"]
         ok = isinstance(msgs, list) and msgs and all(
@@ -78,7 +89,8 @@ def read_prompts(path: Path) -> list[Prompt]:
             for m in msgs)
         if not ok:
             raise ValueError(f"{where}: `messages` must be a non-empty list of {{\"role\": str, \"content\": str}}")
-        prompts.append(Prompt(where, messages=tuple({"role": m["role"], "content": m["content"]} for m in msgs)))
+        prompts.append(Prompt(where, messages=tuple({"role": m["role"], "content": m["content"]} for m in msgs),
+                              source=_source(obj, where)))
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompts in the file")
     return prompts
@@ -99,12 +111,16 @@ class PrepareConfig:
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
+    enforce_eager: bool = False  # eager steps: no compile per batch size (on CPU a wide batch is matmul-bound)
+    max_minutes: float | None = None  # start no shard after this long; a rerun goes on from the next one
 
     def __post_init__(self) -> None:
         SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
         for name in ("samples_per_prompt", "batch_size", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"--max-minutes must be positive, got {self.max_minutes}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be at least 1, got {self.limit}")
 
@@ -126,8 +142,9 @@ def write_shard(examples: list[Example], path: Path) -> None:
     offsets[1:] = np.cumsum([len(e.tokens) for e in examples])
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as fh:
-        np.savez(fh, tokens=np.concatenate([e.tokens for e in examples]).astype(np.int32), offsets=offsets,
-                 prompt_lens=np.asarray([e.prompt_len for e in examples], dtype=np.int32))
+        np.savez_compressed(fh, tokens=np.concatenate([e.tokens for e in examples]).astype(np.int32),
+                            offsets=offsets, prompt_lens=np.asarray([e.prompt_len for e in examples], dtype=np.int32),
+                            sources=np.asarray([e.source for e in examples], dtype=np.str_))
     os.replace(tmp, path)
 
 
@@ -135,9 +152,10 @@ def read_shard(path: Path) -> list[Example]:
     try:
         with np.load(path) as z:
             tokens, offsets, plens = z["tokens"], z["offsets"], z["prompt_lens"]
+            sources = [str(x) for x in z["sources"]] if "sources" in z.files else [""] * len(plens)
     except (OSError, KeyError, ValueError) as e:
         raise ValueError(f"{path}: not a token shard ({e}); rerun `specserve train prepare`") from None
-    return [Example(tokens[offsets[i]:offsets[i + 1]], int(plens[i])) for i in range(len(plens))]
+    return [Example(tokens[offsets[i]:offsets[i + 1]], int(plens[i]), sources[i]) for i in range(len(plens))]
 
 
 def prepare(cfg: PrepareConfig) -> dict[str, Any]:
@@ -151,46 +169,57 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         raise ValueError(f"--out {cfg.out} holds shards made with other settings (see {settings_path}); "
                          "use a new --out directory")
     _atomic_json(cfg.settings(), settings_path)
-    llm = LLM(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    llm = LLM(cfg.target, device=cfg.device, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager or None)
     limit = llm.config.max_position_embeddings - cfg.max_new_tokens
-    encoded: list[list[int]] = []
+    encoded: list[tuple[list[int], str]] = []
     for p in prompts:
         text = p.text if p.messages is None else llm.tokenizer.apply_chat_template(list(p.messages))
         ids = llm.encode(text or "")
         if not 0 < len(ids) <= limit:
             raise ValueError(f"{p.where}: the prompt has {len(ids)} tokens; the target's context "
                              f"({llm.config.max_position_embeddings}) minus --max-new-tokens allows 1..{limit}")
-        encoded.append(ids)
-    jobs = [ids for ids in encoded for _ in range(cfg.samples_per_prompt)]
+        encoded.append((ids, p.source))
+    jobs = [job for job in encoded for _ in range(cfg.samples_per_prompt)]
     shards = [jobs[i : i + cfg.shard_size] for i in range(0, len(jobs), cfg.shard_size)]
     names: list[str] = []
     bar = tqdm(total=len(jobs), desc="prepare", unit="seq")
+    started = time.perf_counter()
+    meta: dict[str, Any] = {}
     for si, shard_jobs in enumerate(shards):
+        if cfg.max_minutes is not None and time.perf_counter() - started > 60 * cfg.max_minutes:
+            break
         path = cfg.out / f"shard-{si:05d}.npz"
-        names.append(path.name)
-        if path.exists():  # finished by an earlier run with the same settings
+        if not path.exists():  # else finished by an earlier run with the same settings
+            examples: list[Example] = []
+            for bi in range(0, len(shard_jobs), cfg.batch_size):
+                batch = shard_jobs[bi : bi + cfg.batch_size]
+                params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                        top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + si * cfg.shard_size + bi)
+                for (ids, source), res in zip(batch, llm.generate([ids for ids, _ in batch], params), strict=True):
+                    examples.append(Example(np.asarray(ids + res.token_ids, dtype=np.int32), len(ids), source))
+                bar.update(len(batch))
+            write_shard(examples, path)
+        else:
             bar.update(len(shard_jobs))
-            continue
-        examples: list[Example] = []
-        for bi in range(0, len(shard_jobs), cfg.batch_size):
-            batch = shard_jobs[bi : bi + cfg.batch_size]
-            params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + si * cfg.shard_size + bi)
-            for ids, res in zip(batch, llm.generate(batch, params), strict=True):
-                examples.append(Example(np.asarray(ids + res.token_ids, dtype=np.int32), len(ids)))
-            bar.update(len(batch))
-        write_shard(examples, path)
+        names.append(path.name)
+        meta = _meta(cfg, llm, names, len(shards))
+        _atomic_json(meta, cfg.out / "meta.json")  # after every shard: a run stopped early is usable as it is
     bar.close()
+    return meta
+
+
+def _meta(cfg: PrepareConfig, llm: Any, names: list[str], planned: int) -> dict[str, Any]:
     all_examples = [e for n in names for e in read_shard(cfg.out / n)]
-    meta = {
+    return {
         "format": FORMAT, "settings": cfg.settings(), "target_dir": str(llm.model_dir),
         "vocab_size": llm.config.vocab_size, "hidden_size": llm.config.hidden_size,
-        "num_hidden_layers": llm.config.num_hidden_layers, "shards": names, "sequences": len(all_examples),
+        "num_hidden_layers": llm.config.num_hidden_layers, "shards": names, "planned_shards": planned,
+        "complete": len(names) == planned, "sequences": len(all_examples),
         "tokens": int(sum(len(e.tokens) for e in all_examples)),
         "response_tokens": int(sum(e.response_len for e in all_examples)),
+        "sources": len({e.source for e in all_examples}),
     }
-    _atomic_json(meta, cfg.out / "meta.json")
-    return meta
+
 
 
 def load_examples(data_dir: Path, vocab_size: int, max_len: int) -> tuple[list[Example], dict[str, Any]]:
@@ -212,7 +241,7 @@ def load_examples(data_dir: Path, vocab_size: int, max_len: int) -> tuple[list[E
             if len(e.tokens) and int(e.tokens.max()) >= vocab_size:
                 raise ValueError(f"--data {data_dir}/{name}: token id {int(e.tokens.max())} >= vocab_size "
                                  f"{vocab_size}")
-            cut = Example(e.tokens[:max_len], e.prompt_len)
+            cut = Example(e.tokens[:max_len], e.prompt_len, e.source)
             if cut.response_len < 2:
                 dropped += 1
             else:
@@ -229,7 +258,7 @@ def load_data(dirs: list[Path], vocab_size: int, max_len: int) -> tuple[list[Exa
         raise ValueError("--data: give at least one directory written by `specserve train prepare`")
     loaded = [load_examples(d, vocab_size, max_len) for d in dirs]
     infos = [{**info, "data_dir": str(d)} for d, (_, info) in zip(dirs, loaded, strict=True)]
-    examples = [e for part, _ in loaded for e in part]
+    examples = [replace(e, index=i) for i, e in enumerate(e for part, _ in loaded for e in part)]
     if len(infos) == 1:
         return examples, infos[0]
     return examples, {"datasets": infos, "dropped_short": sum(i["dropped_short"] for i in infos),

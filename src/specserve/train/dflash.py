@@ -30,6 +30,7 @@ from specserve.tokenizer import Tokenizer
 from specserve.train.corpus import SPECIAL_TOKENS
 from specserve.train.data import Example, collate
 from specserve.train.distributed import sync
+from specserve.train.features import OnlineFeatures
 from specserve.train.trainer import Objective, StepLoss
 
 MASK_TOKEN = SPECIAL_TOKENS[3]  # "<|mask|>", reserved in the demo tokenizer for this purpose
@@ -132,6 +133,8 @@ class DFlashObjective(Objective):
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device = target.lm_head.weight.device
         self.block_size = drafter.config.block_size
+        self.capture = drafter.config.capture
+        self.features = OnlineFeatures(target, self.capture)
 
     def loss(self, batch: list[Example], gen: torch.Generator) -> StepLoss:
         ids, lens, plens = collate(batch, self.device)  # [B, T], [B], [B]
@@ -142,11 +145,10 @@ class DFlashObjective(Objective):
         sync(self.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            f = self.features(batch, self.device)
+            features = f.captured  # [B, T, n*H]
             soft = self.cfg.soft_label_weight > 0
-            out = self.target(ids, positions, capture=dcfg.capture, compute_logits=soft)
-            features = torch.cat(out.captured, dim=-1)  # [B, T, n*H]
-            target_p = soft_labels(out.logits, anchors, self.block_size) if out.logits is not None else None
+            target_p = soft_labels(self.target.logits(f.hidden), anchors, self.block_size) if soft else None
         sync(self.device)
         target_s = time.perf_counter() - t0
         noise = self.target.embed(inputs)  # [B, N*bs, H] (frozen: the target's embedding)

@@ -8,7 +8,8 @@ the i-th draft after the committed token c = s - i. Its attention sees what draf
 The keys of earlier steps are kept in a list (`UnrolledKV`), so every step runs the model's own forward.
 Loss of step i: soft cross-entropy against the target's distribution at position s+1 restricted to the draft
 vocabulary (renormalised), over positions whose target argmax lies in the draft vocabulary and whose
-predicted token is a response token; steps weighted decay^i (0.8).
+predicted token is a response token; steps weighted decay^i (0.8). Logits (the drafter's and the target's) are
+computed at those positions only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from specserve.speculative.eagle3.checkpoint import init_random_eagle3, load_eag
 from specserve.speculative.eagle3.model import Eagle3Model
 from specserve.train.data import Example, collate
 from specserve.train.distributed import sync
+from specserve.train.features import OnlineFeatures
 from specserve.train.trainer import Objective, StepLoss
 
 
@@ -52,13 +54,17 @@ class Eagle3TrainConfig:
 
 
 def draft_vocab_from_data(examples: list[Example], vocab_size: int, size: int) -> list[int]:
-    """The `size` most frequent response tokens (ties: lower id first), sorted: the draft vocabulary."""
+    """The `size` most frequent response tokens, sorted: the draft vocabulary. Ties (tokens no response has, with
+    little data) go to the tokens more frequent in the prompts (answers quote them), then to the lower id."""
     if not 1 <= size <= vocab_size:
         raise ValueError(f"--draft-vocab-size {size} must be in [1, the target's vocab_size {vocab_size}]")
     counts = np.zeros(vocab_size, dtype=np.int64)
+    prompts = np.zeros(vocab_size, dtype=np.int64)
     for e in examples:
         counts += np.bincount(e.tokens[e.prompt_len :], minlength=vocab_size)
-    return sorted(np.argsort(-counts, kind="stable")[:size].tolist())
+        prompts += np.bincount(e.tokens[: e.prompt_len], minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -prompts, -counts))  # the last key is the primary one
+    return sorted(order[:size].tolist())
 
 
 def ttt_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
@@ -104,23 +110,24 @@ def ttt_loss(
     model: Eagle3Model,
     embeds: torch.Tensor,  # [B, L, H]
     target_states: torch.Tensor,  # [B, L, 3*Ht]
-    target_p: torch.Tensor,  # [B, L, Vd] the target's distribution at position s+1 over the draft vocabulary
-    valid: torch.Tensor,  # [B, L] bool: slot s is trained on
+    target_p: torch.Tensor,  # [N, Vd] at the valid slots (`valid.nonzero()` order): the target at position s+1
+    valid: torch.Tensor,  # [B, L] bool: slot s is trained on (N of them)
     steps: int,
     decay: float,
 ) -> tuple[torch.Tensor, list[float]]:
-    """Sum over steps of decay^i x mean soft cross-entropy, and the top-1 agreement with the target per step."""
-    target_top = target_p.argmax(dim=-1)  # [B, L]
+    """Sum over steps of decay^i x mean soft cross-entropy, and the top-1 agreement with the target per step.
+    Draft logits are computed at the trained slots only (the LM head is most of a step's cost)."""
+    rows, slots = valid.nonzero(as_tuple=True)  # [N], [N]
+    target_top = target_p.argmax(dim=-1)  # [N]
     total = embeds.new_zeros((), dtype=torch.float32)
     accs: list[float] = []
     for i, out in enumerate(ttt_unroll(model, embeds, target_states, steps)):
-        logp = F.log_softmax(model.draft_logits(out).float(), dim=-1)  # [B, L, Vd]
-        ok = valid.clone()
-        ok[:, :i] = False  # slot s < i has no committed token to draft from
-        n = ok.sum().clamp(min=1)
-        ce = -(target_p * logp).sum(dim=-1)  # [B, L]
-        total = total + decay**i * (ce * ok).sum() / n
-        accs.append(float(((logp.argmax(dim=-1) == target_top) & ok).sum() / n))
+        keep = slots >= i  # slot s < i has no committed token to draft from
+        n = keep.sum().clamp(min=1)
+        logp = F.log_softmax(model.draft_logits(out[rows[keep], slots[keep]]).float(), dim=-1)  # [n, Vd]
+        ce = -(target_p[keep] * logp).sum(dim=-1)  # [n]
+        total = total + decay**i * ce.sum() / n
+        accs.append(float((logp.argmax(dim=-1) == target_top[keep]).sum() / n))
     return total, accs
 
 
@@ -132,6 +139,8 @@ class Eagle3Objective(Objective):
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device = target.lm_head.weight.device
         self.draft_ids = torch.arange(drafter.config.draft_vocab_size, device=self.device) + drafter.d2t  # [Vd]
+        self.capture = drafter.config.aux_layer_ids
+        self.features = OnlineFeatures(target, self.capture)
 
     def loss(self, batch: list[Example], gen: torch.Generator) -> StepLoss:
         ids, lens, plens = collate(batch, self.device)  # [B, T], [B], [B]
@@ -139,15 +148,14 @@ class Eagle3Objective(Objective):
         sync(self.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            out = self.target(ids, positions, capture=self.drafter.config.aux_layer_ids)
-            assert out.logits is not None
-            states = torch.cat(out.captured, dim=-1)[:, :length]  # [B, L, 3*Ht]
-            logits = out.logits[:, 1 : length + 1].float()  # [B, L, V] the target at position s+1
-            target_p = torch.softmax(logits[..., self.draft_ids], dim=-1)  # [B, L, Vd]
+            f = self.features(batch, self.device)
+            states = f.captured[:, :length]  # [B, L, 3*Ht]
             slot = torch.arange(length, device=self.device)[None]
             valid = ((slot + 2 < lens[:, None]) & (slot + 2 >= plens[:, None])
-                     & self.drafter.t2d[logits.argmax(dim=-1)])  # [B, L]
+                     & self.drafter.t2d[f.argmax[:, 1 : length + 1]])  # [B, L]
+            head = self.target.lm_head.weight[self.draft_ids]  # [Vd, Ht]
+            # the target at position s+1 of every trained slot, over the draft vocabulary only: [N, Vd]
+            target_p = torch.softmax(F.linear(f.hidden[:, 1 : length + 1][valid], head).float(), dim=-1)
         sync(self.device)
         target_s = time.perf_counter() - t0
         own = self.drafter.embed_tokens

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from specserve.train import checkpoint as ckpt
 from specserve.train.data import Example
 from specserve.train.distributed import Batcher, DistContext, sync
+from specserve.train.features import FeatureSource
 
 PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -53,6 +54,8 @@ class TrainConfig:
     precision: str = "auto"
     resume: bool = False
     progress: bool = True
+    max_minutes: float | None = None  # stop (with a checkpoint) after this much time: a chunk of a longer run
+    checkpoint_dtype: str = "float32"  # bfloat16: half the size; the run continues from the rounded state
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "save_every", "log_every"):
@@ -66,6 +69,10 @@ class TrainConfig:
             raise ValueError(f"--warmup-steps must be in [0, --steps {self.steps}), got {self.warmup_steps}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0 (0 = off), got {self.eval_every}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"--max-minutes must be positive, got {self.max_minutes}")
+        if self.checkpoint_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--checkpoint-dtype {self.checkpoint_dtype!r}: use float32 or bfloat16")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
 
@@ -86,6 +93,14 @@ class Objective(ABC):
 
     kind: str
     drafter: nn.Module
+    capture: tuple[int, ...]  # the target states the drafter taps
+    features: FeatureSource  # where the target's features come from (the target itself, or a cache)
+
+    def use_features(self, source: FeatureSource) -> None:
+        if source.capture != self.capture:
+            raise ValueError(f"--feature-cache holds the target states {source.capture}, the drafter taps "
+                             f"{self.capture}; build a cache for this drafter in a new directory")
+        self.features = source
 
     @abstractmethod
     def loss(self, batch: list[Example], gen: torch.Generator) -> StepLoss: ...
@@ -195,11 +210,17 @@ class Trainer:
         if self.ctx.world > 1:
             states = [None] * self.ctx.world
             dist.all_gather_object(states, ckpt.rng_state())
+        compact = self.cfg.checkpoint_dtype == "bfloat16"
+        if compact:  # every process goes on from exactly what a resume would read
+            ckpt.round_to_bf16(self.objective.drafter, self.opt)
         if self.ctx.main:
             ckpt.replace_dir(self.objective.save_drafter, self.cfg.out / "drafter")
+            model, opt = self.objective.drafter.state_dict(), self.opt.state_dict()
+            if compact:
+                model, opt = ckpt.bf16_copy(model), ckpt.bf16_copy(opt)
             ckpt.atomic_torch_save({
                 "fingerprint": self._fingerprint(), "step": self.step, "tokens_seen": self.tokens_seen,
-                "times": self.times, "model": self.objective.drafter.state_dict(), "optimizer": self.opt.state_dict(),
+                "times": self.times, "model": model, "optimizer": opt,
                 "scheduler": self.sched.state_dict(), "batcher": self.batcher.state_dict(), "rng": states,
                 "last_eval": self.last_eval, "config": {k: str(v) for k, v in asdict(self.cfg).items()},
             }, self.ckpt_path)
@@ -253,8 +274,13 @@ class Trainer:
         started, start_tokens = time.perf_counter(), self.tokens_seen
         window: list[float] = []
         final_loss = float("nan")
+        self.stopped_early = False
         try:
             while self.step < cfg.steps:
+                if self._out_of_time(started):
+                    self.stopped_early = True
+                    self.save()
+                    break
                 loss, tokens, metrics = self._one_step(module)
                 self.step += 1
                 self.tokens_seen += tokens
@@ -282,6 +308,15 @@ class Trainer:
         finally:
             bar.close()
         return self._summary(final_loss, (self.tokens_seen - start_tokens) / max(time.perf_counter() - started, 1e-9))
+
+    def _out_of_time(self, started: float) -> bool:
+        """--max-minutes spent (every process takes rank 0's answer, so all stop at the same step)."""
+        if self.cfg.max_minutes is None or self.step == 0:
+            return False
+        flag = torch.tensor([time.perf_counter() - started > 60 * self.cfg.max_minutes], device=self.device)
+        if self.ctx.world > 1:
+            dist.broadcast(flag, 0)
+        return bool(flag.item())
 
     def _evaluate(self, bar: tqdm) -> None:
         """Measure the drafter (`train/evaluate.py`); where its score beats every earlier one, it becomes
@@ -316,6 +351,7 @@ class Trainer:
         total = max(self.times["step_s"], 1e-9)  # time inside training steps, kept across resumes
         summary = {
             "kind": self.objective.kind, "steps": self.step, "tokens_seen": self.tokens_seen,
+            "finished": self.step >= self.cfg.steps,
             # the whole run's (a resumed run's first part included), and this process's since it started
             "tokens_per_s": round(self.tokens_seen / total, 1), "tokens_per_s_this_process": round(rate, 1),
             "final_loss": round(final_loss, 5), "processes": self.ctx.world,
