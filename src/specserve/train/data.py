@@ -185,6 +185,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     bar = tqdm(total=len(jobs), desc="prepare", unit="seq")
     started = time.perf_counter()
     meta: dict[str, Any] = {}
+    written: list[Example] = []  # every shard's sequences so far, each shard read once
     for si, shard_jobs in enumerate(shards):
         if cfg.max_minutes is not None and time.perf_counter() - started > 60 * cfg.max_minutes:
             break
@@ -200,16 +201,17 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
                 bar.update(len(batch))
             write_shard(examples, path)
         else:
+            examples = read_shard(path)
             bar.update(len(shard_jobs))
         names.append(path.name)
-        meta = _meta(cfg, llm, names, len(shards))
+        written += examples
+        meta = _meta(cfg, llm, names, len(shards), written)
         _atomic_json(meta, cfg.out / "meta.json")  # after every shard: a run stopped early is usable as it is
     bar.close()
     return meta
 
 
-def _meta(cfg: PrepareConfig, llm: Any, names: list[str], planned: int) -> dict[str, Any]:
-    all_examples = [e for n in names for e in read_shard(cfg.out / n)]
+def _meta(cfg: PrepareConfig, llm: Any, names: list[str], planned: int, all_examples: list[Example]) -> dict[str, Any]:
     return {
         "format": FORMAT, "settings": cfg.settings(), "target_dir": str(llm.model_dir),
         "vocab_size": llm.config.vocab_size, "hidden_size": llm.config.hidden_size,
