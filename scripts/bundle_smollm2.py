@@ -3,9 +3,11 @@
     python scripts/bundle_smollm2.py --run train_runs/smollm2-eagle3 --data data/smollm2/chat-greedy \
         --command "specserve train eagle3 --target smollm2 ..."
 
-The run's chosen drafter (`best/` where an evaluation picked one, else `drafter/`) is exported in SGLang's
-layout to src/specserve/assets/models/smollm2-eagle3, then measured on the bundled files with `bench acceptance`'s
-code, eager decode steps (accept length does not depend on them), against plain decoding in the same process:
+The run's kind (EAGLE-3 or DFlash, from its summary) names the bundle: smollm2-eagle3 in SGLang's layout, verified
+as a chain; smollm2-dflash in DFlash's layout, verified as DDTree-16. The run's chosen drafter (`best/` where an
+evaluation picked one, else `drafter/`) is exported to src/specserve/assets/models/, then measured on the bundled
+files with `bench acceptance`'s code, eager decode steps (accept length does not depend on them), against plain
+decoding in the same process:
   chat-coding, greedy, 64 tokens  (the headline: the worst task kind over tasks that do not loop)
   chat-coding, temperature 0.7, 64 tokens, seeds 0, 1, 2
   NGRAM on chat-coding, greedy, 64 tokens (the lookup drafter beside it)
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,21 @@ SUITE, NEW = "chat-coding", 64
 SEEDS = (0, 1, 2)
 
 
+@dataclass(frozen=True)
+class Kind:
+    algorithm: str  # --speculative-algorithm
+    title: str  # the drafter and how it is verified
+    export_format: str
+    flags: str  # the bench command's verification flags beyond the algorithm
+    spec: dict[str, Any]  # SpeculativeConfig.resolve's keywords for those flags
+
+
+KINDS = {
+    "eagle3": Kind("EAGLE3", "EAGLE-3 chain", "sglang", "", {}),
+    "dflash": Kind("DFLASH", "DFlash DDTree-16", "dflash", "", {}),  # DFLASH's defaults: a DDTree of 16 nodes
+}
+
+
 def view(llm: LLM, temperature: float, seed: int | None) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=NEW, temperature=temperature, seed=seed, ignore_eos=True)
     res = run_acceptance(llm, load_suite(SUITE), params)
@@ -41,8 +59,8 @@ def view(llm: LLM, temperature: float, seed: int | None) -> dict[str, Any]:
     return summary
 
 
-def command(algorithm: str, temperature: float, seed: int | None) -> str:
-    return (f"specserve bench acceptance --model smollm2 --speculative-algorithm {algorithm} --suite {SUITE} "
+def command(algorithm: str, flags: str, temperature: float, seed: int | None) -> str:
+    return (f"specserve bench acceptance --model smollm2 --speculative-algorithm {algorithm}{flags} --suite {SUITE} "
             f"--max-new-tokens {NEW} --temperature {temperature}" + (f" --seed {seed}" if seed is not None else ""))
 
 
@@ -52,43 +70,53 @@ def main() -> None:
     ap.add_argument("--data", type=Path, nargs="+", required=True)
     ap.add_argument("--command", required=True, help="the training command (for the card)")
     ap.add_argument("--val-command", default=None, help="the command that wrote the --eval-suite prompts")
+    ap.add_argument("--drafter", type=Path, default=None,
+                    help="the drafter to bundle (default: the run's best/, else drafter/), e.g. an export/ from "
+                         "benchmarks/gpu.sh train")
     ap.add_argument("--no-ngram", action="store_true", help="leave out the NGRAM row")
     ap.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS), help="seeds of the sampled view")
     a = ap.parse_args()
     summary = json.loads((a.run / "train_summary.json").read_text())
-    chosen = a.run / "best" if (a.run / "best" / "config.json").exists() else a.run / "drafter"
-    dest = ASSETS / "smollm2-eagle3"
-    export(ExportConfig(drafter=chosen, target="smollm2", out=dest, format="sglang", dtype="bfloat16"))
-    spec = SpeculativeConfig.resolve("EAGLE3", str(dest))
+    chosen = a.drafter or (a.run / "best" if (a.run / "best" / "config.json").exists() else a.run / "drafter")
+    name = str(summary["kind"])
+    kind = KINDS[name]
+    dest = ASSETS / f"smollm2-{name}"
+    export(ExportConfig(drafter=chosen, target="smollm2", out=dest, format=kind.export_format, dtype="bfloat16"))
+    spec = SpeculativeConfig.resolve(kind.algorithm, str(dest), **kind.spec)
     llm = LLM("smollm2", speculative=spec, enforce_eager=True)
-    rows: list[dict[str, Any]] = [{"view": "EAGLE-3 chain, greedy", "command": command("EAGLE3", 0.0, None),
+    rows: list[dict[str, Any]] = [{"view": f"{kind.title}, greedy", "command": command(kind.algorithm, kind.flags,
+                                                                                         0.0, None),
                                    **view(llm, 0.0, None)}]
     sampled = [view(llm, 0.7, s) for s in a.seeds]
     if sampled:
-        rows.append({"view": "EAGLE-3 chain, temperature 0.7", "command": command("EAGLE3", 0.7, a.seeds[0]),
+        rows.append({"view": f"{kind.title}, temperature 0.7",
+                     "command": command(kind.algorithm, kind.flags, 0.7, a.seeds[0]),
                      **sampled[0], "accept_length_by_seed": {str(s): r["accept_length"]
                                                              for s, r in zip(a.seeds, sampled, strict=True)}})
     if not a.no_ngram:
         ngram = LLM("smollm2", speculative=SpeculativeConfig.resolve("NGRAM", None), enforce_eager=True)
-        rows.append({"view": "NGRAM, greedy", "command": command("NGRAM", 0.0, None), **view(ngram, 0.0, None)})
+        rows.append({"view": "NGRAM, greedy", "command": command("NGRAM", "", 0.0, None), **view(ngram, 0.0, None)})
     data = [json.loads((d / "meta.json").read_text()) | {"dir": str(d)} for d in a.data]
     (dest / "acceptance.json").write_text(json.dumps({"cpu": cpu_info(), "views": rows}, indent=1) + "\n")
-    (dest / "MODEL_CARD.md").write_text(card(summary, chosen, data, rows, spec, a.command, a.val_command))
+    (dest / "MODEL_CARD.md").write_text(card(name, summary, chosen, data, rows, spec, a.command, a.val_command))
     readme = dest / "README.md"  # export's card names the directory it wrote; the bundled name resolves anywhere
     readme.write_text(readme.read_text().replace(str(dest.resolve()), dest.name).replace(str(dest), dest.name))
     print(json.dumps({"drafter": str(dest), "views": rows}))
 
 
-def card(summary: dict[str, Any], chosen: Path, data: list[dict[str, Any]], rows: list[dict[str, Any]],
+def card(name: str, summary: dict[str, Any], chosen: Path, data: list[dict[str, Any]], rows: list[dict[str, Any]],
          spec: SpeculativeConfig, cmd: str, val_cmd: str | None) -> str:
     t = summary["time_share"]
     best = summary.get("best_eval") or {}
+    kind = KINDS[name]
+    defaults = (f"num_steps {spec.num_steps}, eagle_topk {spec.eagle_topk}, num_draft_tokens {spec.num_draft_tokens}"
+                if name == "eagle3" else f"block_size {spec.dflash_block_size}, measured as DDTree-16")
     lines = [
-        "# smollm2-eagle3: EAGLE-3 drafter for SmolLM2-135M-Instruct (`--model smollm2`)",
+        f"# smollm2-{name}: {kind.title.split()[0]} drafter for SmolLM2-135M-Instruct (`--model smollm2`)",
         "",
-        "Serve it: `specserve serve --model smollm2 --speculative-algorithm EAGLE3` (picked by default for smollm2).",
-        f"Defaults it runs with: num_steps {spec.num_steps}, eagle_topk {spec.eagle_topk}, "
-        f"num_draft_tokens {spec.num_draft_tokens}.",
+        f"Serve it: `specserve serve --model smollm2 --speculative-algorithm {kind.algorithm}{kind.flags}` "
+        "(picked by default for smollm2).",
+        f"Defaults it runs with: {defaults}.",
         "",
         "## Training",
     ]

@@ -61,9 +61,9 @@ def test_every_drafter_is_exact_on_the_demo(demo: LLM) -> None:
     `--speculative-draft-dtype auto` runs it on CPUs with native bf16) and n-gram lookup equal plain greedy
     decoding, and the trained ones do accept drafts (a drafter that never agrees would be exact too); the bf16
     DFlash drafter accepts about as much as the float32 one."""
-    prompts = [demo.encode(p) for _, p in coding_prompts()[:4]]
-    prompts += [demo.encode(t.prompt or "") for t in load_suite("heldout-code")[:4]]
-    assert len(prompts) == 8
+    prompts = [demo.encode(p) for _, p in coding_prompts()[:3]]
+    prompts += [demo.encode(t.prompt or "") for t in load_suite("heldout-code")[:3]]
+    assert len(prompts) == 6
     dflash = SpeculativeConfig.resolve("DFLASH", "demo-dflash", dflash_block_size=16)
     specs = [
         ("ngram", SpeculativeConfig.resolve("NGRAM"), demo.dtype),
@@ -86,4 +86,4 @@ def test_every_drafter_is_exact_on_the_demo(demo: LLM) -> None:
         accept[name] = sum(steps) / len(steps)
         if spec.algorithm != "NGRAM":
             assert accept[name] > 1.5, (name, accept[name])
-    assert accept["dflash-bf16"] > 0.9 * accept["dflash"], accept  # 0.96 on these 8 prompts (AVX2 EPYC)
+    assert accept["dflash-bf16"] > 0.9 * accept["dflash"], accept  # bf16 rounding changes few agreements

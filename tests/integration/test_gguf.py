@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specserve.engine.llm import LLM
+from specserve.models.gguf_header import read_header
 from specserve.models.loader import load_model, resolve_model_path
 from specserve.types import SamplingParams
 from tiny_gguf import reference_logits, write_gguf
@@ -40,6 +41,24 @@ def test_gguf_logits_match_transformers(tmp_path: Path, arch: str, quant: str) -
         ours = model(torch.tensor([IDS]), torch.arange(len(IDS))[None]).logits[0]
     ref = reference_logits(gguf, IDS)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q4_0", "Q8_0", "F16"])
+def test_header_reads_as_the_gguf_packages_reader(tmp_path: Path, llama_ckpt: Path, quant: str) -> None:
+    """`read_header` (one pass over the bytes) against the `gguf` package's reader: every metadata value, every
+    tensor's name, type, dimensions and bytes."""
+    from gguf import GGUFReader
+
+    gguf = write_gguf(llama_ckpt, tmp_path / "m.gguf", quant)
+    ours = read_header(gguf)
+    ref = GGUFReader(str(gguf))
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == want
+    assert any(isinstance(v, list) and v and isinstance(v[0], str) for v in want.values())  # the token list
+    assert [(t.name, t.kind, t.dims) for t in ours.tensors] == \
+           [(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape)) for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert a.data.tobytes() == b.data.tobytes(), a.name
 
 
 def test_gguf_directory_is_cached_and_tokenizes(tmp_path: Path, llama_ckpt: Path) -> None:

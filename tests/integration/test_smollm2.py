@@ -30,6 +30,11 @@ def f32() -> LLM:
     return LLM("smollm2", quantization="none", enforce_eager=True)
 
 
+@pytest.fixture(scope="module")
+def int4() -> LLM:
+    return LLM("smollm2", quantization="int4", enforce_eager=True)
+
+
 def chat(llm: LLM, task: str) -> list[int]:
     return llm.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": task}]))
 
@@ -64,11 +69,10 @@ def test_logits_match_transformers_gguf_load(f32: LLM) -> None:
     assert torch.allclose(ours, ref, atol=1e-3, rtol=1e-4), (ours - ref).abs().max()
 
 
-def test_int4_greedy_agrees_with_dequantized(f32: LLM) -> None:
+def test_int4_greedy_agrees_with_dequantized(f32: LLM, int4: LLM) -> None:
     """int4 multiplies the same Q4_1 values by int8-quantized activations: the greedy text may part from
     float32's at a near tie.
     Measured on 16 chat tasks: `python benchmarks/real_target.py --agreement-only` (docs/real-target.md)."""
-    int4 = LLM("smollm2", quantization="int4", enforce_eager=True)
     assert int4.quantization == "int4"
     prompts = [chat(f32, t) for t in TASKS]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -92,31 +96,34 @@ def test_readme_command_answers_with_code(capsys: pytest.CaptureFixture[str]) ->
 
 
 def drafters(llm: LLM, algorithm: str) -> DrafterBuilder:
-    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter; EAGLE3 is the bundled
-    smollm2-eagle3, found by the target's name as `--model smollm2 --speculative-algorithm EAGLE3` finds it."""
+    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter. EAGLE3 and DFLASH are
+    the bundled smollm2-eagle3 and smollm2-dflash, found by the target's name as `--model smollm2
+    --speculative-algorithm EAGLE3` finds them (DFLASH's defaults verify a DDTree of 16 nodes)."""
     spec = SpeculativeConfig.resolve(algorithm, default_draft_path(algorithm, "smollm2"))
+    assert algorithm != "DFLASH" or (spec.tree, spec.num_draft_tokens) == ("ddtree", 16)
     return DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
 
 
-def test_ngram_and_eagle3_speculation_is_exact_in_float32(f32: LLM) -> None:
+def test_learned_drafters_are_exact_in_float32(f32: LLM) -> None:
     prompts = [chat(f32, t) for t in TASKS[:2]]
-    params = SamplingParams(max_new_tokens=48)
+    params = SamplingParams(max_new_tokens=32)
     ref = [o.token_ids for o in f32.generate(prompts, params)]
-    for alg in ("NGRAM", "EAGLE3"):
+    for alg in ("EAGLE3", "DFLASH"):
         outs = f32.generate_with(drafters(f32, alg), prompts, params)
         assert [o.token_ids for o in outs] == ref, alg
         assert any(o.num_verify_steps for o in outs), alg
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_quantized_speculation_is_exact(mode: str) -> None:
-    """Row-invariant products and attention: n-gram and EAGLE-3 chains and suffix trees verify to plain decoding's
-    tokens."""
-    llm = LLM("smollm2", quantization=mode, enforce_eager=True)
-    prompts = [chat(llm, t) for t in TASKS[:3]]
+def test_quantized_speculation_is_exact(mode: str, int4: LLM) -> None:
+    """Row-invariant products and attention: n-gram and EAGLE-3 chains, suffix trees and DFlash's DDTree verify to
+    plain decoding's tokens (int4, the default, with every drafter; int8 with the learned ones)."""
+    llm = int4 if mode == "int4" else LLM("smollm2", quantization=mode, enforce_eager=True)
+    assert llm.quantization == mode
+    prompts = [chat(llm, t) for t in TASKS[1:3]]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
-    for alg in ("NGRAM", "SUFFIX", "EAGLE3"):
+    for alg in ("NGRAM", "SUFFIX", "EAGLE3", "DFLASH") if mode == "int4" else ("EAGLE3", "DFLASH"):
         builder = drafters(llm, alg)
         outs = [llm.generate_with(builder, [p], params)[0] for p in prompts]  # one at a time: batch 1, as offline
         assert [o.token_ids for o in outs] == ref, alg

@@ -302,7 +302,7 @@ def test_drawn_tree_without_replacement_is_lossless() -> None:
                       depths=torch.tensor(depths_of(parents)))
     gen = torch.Generator().manual_seed(52)
     seqs = []
-    for _ in range(8000):
+    for _ in range(4000):
         tree = draw_tree(shape, q, gen)
         tok = tree.tokens.tolist()
         pid = [p.offsets[0]]
@@ -332,7 +332,7 @@ def test_a_tree_drawn_again_below_its_first_path_is_lossless() -> None:
                       depths=torch.tensor(depths))
     gen = torch.Generator().manual_seed(62)
     seqs: dict[bool, list[list[int]]] = {True: [], False: []}
-    for _ in range(8000):
+    for _ in range(4000):
         first = draw_tree(shape, q, gen)
         tree = redraw_below(first, 1, given1[int(first.tokens[1])], gen, first_depth=2)
         tree = redraw_below(tree, 3, given2[int(tree.tokens[1]), int(tree.tokens[3])], gen, first_depth=3)

@@ -9,6 +9,7 @@ and what is wrong.
 from __future__ import annotations
 
 import re
+import struct
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specserve.models.gguf_header import read_header
 from specserve.models.gguf_quants import SUPPORTED, Q4Blocks, dequantize, q4_blocks, q8_blocks
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -66,27 +68,22 @@ class GGUFModel:
     """An opened GGUF file: `metadata`, `config()` (config.json fields), `tensors()` and `q4()`."""
 
     def __init__(self, path: Path) -> None:
-        """Parses the header (~3 s for a 49k-token vocabulary: open a file once per load)."""
-        from gguf import GGUFReader  # the package is a dependency; imported here to keep start-up light
-
+        """Parses the header (`gguf_header.read_header`); the tensors stay memory-mapped until read."""
         self.path = path
         if not path.is_file():
             raise ValueError(f"{path}: no such GGUF file")
         try:
-            self._reader = GGUFReader(str(path))
-        except Exception as e:  # the reader raises ValueError, struct/numpy errors on a cut or foreign file
-            raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
-                             "is it truncated or not a GGUF?") from None
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if not key.startswith("GGUF."):  # GGUF.* are the header's counts
-                self.metadata[key] = field.contents()
+            header = read_header(path)
+        except (ValueError, struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a readable GGUF file ({e}); is it truncated or not a GGUF?") from None
+        self.metadata: dict[str, Any] = header.metadata
+        self._tensors = header.tensors
         arch = self.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise ValueError(f"{path}: general.architecture is {arch!r}; specserve runs "
                              f"{', '.join(ARCHITECTURES)} GGUF files")
         self.arch: str = str(arch)
-        kinds = {t.name: t.tensor_type.name for t in self._reader.tensors}
+        kinds = {t.name: t.kind for t in self._tensors}
         bad = {n: k for n, k in kinds.items() if k not in SUPPORTED}
         if bad:
             name, kind = next(iter(bad.items()))
@@ -96,7 +93,7 @@ class GGUFModel:
 
     def tensor_types(self) -> dict[str, int]:
         """How many tensors of each GGUF type the file holds."""
-        return dict(Counter(t.tensor_type.name for t in self._reader.tensors))
+        return dict(Counter(t.kind for t in self._tensors))
 
     def meta(self, key: str, default: Any = ...) -> Any:
         """A metadata value; `{arch}.` is filled in. Missing without a default: a clear error."""
@@ -111,11 +108,11 @@ class GGUFModel:
         """The Hugging Face config.json this file's metadata describes."""
         heads = int(self.meta("{arch}.attention.head_count"))
         hidden = int(self.meta("{arch}.embedding_length"))
-        names = {t.name for t in self._reader.tensors}
-        embed = next((t for t in self._reader.tensors if t.name == "token_embd.weight"), None)
+        names = {t.name for t in self._tensors}
+        embed = next((t for t in self._tensors if t.name == "token_embd.weight"), None)
         if embed is None:
             raise ValueError(f"{self.path}: no token_embd.weight tensor")
-        vocab = int(embed.shape[-1])  # GGUF lists ne[0] (hidden) first; token lists may be shorter (unused rows)
+        vocab = int(embed.dims[-1])  # GGUF lists ne[0] (hidden) first; token lists may be shorter (unused rows)
         cfg: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.arch]],
             "model_type": self.arch,
@@ -144,12 +141,12 @@ class GGUFModel:
         return cfg
 
     def _stored(self) -> Iterator[GGUFTensor]:
-        for t in self._reader.tensors:
+        for t in self._tensors:
             name = hf_name(t.name)
             if name is None:
                 continue
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne[0] (contiguous) first
-            yield GGUFTensor(name, t.tensor_type.name, shape, t.data)
+            shape = tuple(reversed(t.dims))  # GGUF lists ne[0] (contiguous) first
+            yield GGUFTensor(name, t.kind, shape, t.data)
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """The un-permuting row order for a Llama q/k tensor, else None."""
