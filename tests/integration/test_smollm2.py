@@ -96,9 +96,9 @@ def test_readme_command_answers_with_code(capsys: pytest.CaptureFixture[str]) ->
 
 
 def drafters(llm: LLM, algorithm: str) -> DrafterBuilder:
-    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter. EAGLE3 and DFLASH are
-    the bundled smollm2-eagle3 and smollm2-dflash, found by the target's name as `--model smollm2
-    --speculative-algorithm EAGLE3` finds them (DFLASH's defaults verify a DDTree of 16 nodes)."""
+    """A drafter on `llm`'s own target, so one load serves plain decoding and every drafter. DFLASH is the
+    bundled smollm2-dflash, found by the target's name as `--model smollm2 --speculative-algorithm DFLASH` finds it
+    (its defaults verify a DDTree of 16 nodes)."""
     spec = SpeculativeConfig.resolve(algorithm, default_draft_path(algorithm, "smollm2"))
     assert algorithm != "DFLASH" or (spec.tree, spec.num_draft_tokens) == ("ddtree", 16)
     return DrafterBuilder(plan_drafter(spec, llm.config), llm.model, llm.device, llm.dtype)
@@ -108,7 +108,7 @@ def test_learned_drafters_are_exact_in_float32(f32: LLM) -> None:
     prompts = [chat(f32, t) for t in TASKS[:2]]
     params = SamplingParams(max_new_tokens=32)
     ref = [o.token_ids for o in f32.generate(prompts, params)]
-    for alg in ("EAGLE3", "DFLASH"):
+    for alg in ("DFLASH",):
         outs = f32.generate_with(drafters(f32, alg), prompts, params)
         assert [o.token_ids for o in outs] == ref, alg
         assert any(o.num_verify_steps for o in outs), alg
@@ -123,7 +123,7 @@ def test_quantized_speculation_is_exact(mode: str, int4: LLM) -> None:
     prompts = [chat(llm, t) for t in TASKS[1:3]]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
-    for alg in ("NGRAM", "SUFFIX", "EAGLE3", "DFLASH") if mode == "int4" else ("EAGLE3", "DFLASH"):
+    for alg in ("NGRAM", "SUFFIX", "DFLASH") if mode == "int4" else ("DFLASH",):
         builder = drafters(llm, alg)
         outs = [llm.generate_with(builder, [p], params)[0] for p in prompts]  # one at a time: batch 1, as offline
         assert [o.token_ids for o in outs] == ref, alg

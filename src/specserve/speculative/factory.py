@@ -25,7 +25,7 @@ from specserve.types import SamplingParams
 
 #: Bundled drafters used when the target is named (`demo`, `smollm2`) and no draft path is given.
 BUNDLED_DRAFTERS = {("demo", "EAGLE3"): "demo-eagle3", ("demo", "DFLASH"): "demo-dflash",
-                    ("smollm2", "EAGLE3"): "smollm2-eagle3", ("smollm2", "DFLASH"): "smollm2-dflash"}
+                    ("smollm2", "DFLASH"): "smollm2-dflash"}
 
 
 def default_draft_path(algorithm: str | None, model: str) -> str | None:
