@@ -8,9 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve.config import RopeConfig
 from specserve.layers import qkernel as qk
-from specserve.layers.attention import attend
-from specserve.layers.quant import QuantLinear, quantize_q4
+from specserve.layers.attention import attend, attend_paged
+from specserve.layers.norm import RMSNorm
+from specserve.layers.quant import NONE, NORM, SILU_MUL, QuantLinear, quantize_q4
+from specserve.layers.rope import RotaryEmbedding, apply_rope
 
 WIDTHS = (1, 2, 5, 8, 9, 16, 33, 64)
 needs_kernel = pytest.mark.skipif(not qk.load_kernel(), reason="no C++ compiler: the PyTorch fallback only")
@@ -149,3 +152,88 @@ def test_attention_that_needs_gradients_gets_them() -> None:
     F.scaled_dot_product_attention(ref_q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).sum().backward()
     assert q.grad is not None and ref_q.grad is not None and q.grad.abs().sum() > 0
     assert torch.allclose(q.grad, ref_q.grad, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_qlinear_is_the_unfused_layer_steps(kind: str) -> None:
+    """norm + product + bias + residual, and SiLU-mul + product, in one call: the product's bits where the input rows
+    agree, and the norm within float rounding of PyTorch's."""
+    torch.manual_seed(9)
+    w = torch.randn(48, 64) * 0.1
+    lin = QuantLinear.from_int8(w, torch.randn(48)) if kind == "int8" else QuantLinear.from_int4(
+        *quantize_q4(w), torch.randn(48))
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.rand(64) + 0.5
+    x, res = torch.randn(7, 64) * 3, torch.randn(7, 48)
+    assert torch.equal(lin.fused(x, residual=res), res + lin(x))
+    normed = torch.nn.functional.rms_norm(x, (64,), eps=1e-5) * norm.weight
+    assert torch.allclose(lin.fused(x, NORM, norm), lin(normed), rtol=1e-3, atol=1e-3)
+    gu = torch.randn(5, 128)
+    act = (F.silu(gu[:, :64]) * gu[:, 64:]).contiguous()
+    assert torch.allclose(lin.fused(gu, SILU_MUL), lin(act), rtol=1e-3, atol=1e-3)
+    with pytest.raises(RuntimeError, match="silu-mul takes x of 2K columns"):
+        lin.fused(x, SILU_MUL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("prologue", [NONE, NORM, SILU_MUL])
+def test_qlinear_rows_are_invariant_to_the_width(prologue: int) -> None:
+    torch.manual_seed(10)
+    lin = QuantLinear.from_int4(*quantize_q4(torch.randn(32, 64) * 0.1), None)
+    norm = RMSNorm(64, 1e-6)
+    x = torch.randn(max(WIDTHS), 128 if prologue == SILU_MUL else 64)
+    res = torch.randn(max(WIDTHS), 32)
+    alone = torch.cat([lin.fused(x[i:i + 1], prologue, norm, res[i:i + 1]) for i in range(x.shape[0])])
+    for width in WIDTHS:
+        assert torch.equal(lin.fused(x[:width], prologue, norm, res[:width]), alone[:width]), width
+
+
+@needs_kernel
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_attention_is_the_unfused_attention_bit_for_bit(packed: bool) -> None:
+    """RoPE, the KV write and attention over scattered slots in one call, against RoPE, `PagedView.update` and
+    `attend`: the same cache contents and the same outputs, for rows of one length and for packed rows."""
+    torch.manual_seed(11)
+    hq, hkv, d, slots = 6, 2, 64, 80
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), d)
+    qs, cs = ([3, 3], [5, 9]) if not packed else ([1, 4], [7, 2])
+    free = torch.randperm(slots).tolist()
+    rows, writes, positions = [], [], []
+    for q, c in zip(qs, cs, strict=True):
+        ctx, new = free[:c], free[c:c + q]
+        free = free[c + q:]
+        rows.append(ctx + new)
+        writes += new
+        positions += list(range(c, c + q))
+    t, q_max, k_max = sum(qs), max(qs), max(len(r) for r in rows)
+    read = torch.tensor([r + [slots] * (k_max - len(r)) for r in rows])  # padding keys point at the scratch slot
+    mask = torch.zeros(2, 1, q_max, k_max, dtype=torch.bool)
+    for b, (q, c) in enumerate(zip(qs, cs, strict=True)):
+        mask[b, 0, :q, :c] = True
+        mask[b, 0, :q, c:c + q] = torch.ones(q, q, dtype=torch.bool).tril()
+        mask[b, 0, q:, 0] = True
+    grid = torch.tensor([b * q_max + i for b, q in enumerate(qs) for i in range(q)]) if packed else None
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    pos = torch.tensor(positions)
+    caches = [[torch.randn(slots + 1, hkv, d) for _ in range(2)] for _ in range(2)]
+    caches[1] = [c.clone() for c in caches[0]]
+    cos, sin = rotary.cos_sin(pos[None], torch.float32)  # [1, 1, T, D]
+    got = attend_paged(qkv, cos[0, 0], sin[0, 0], *caches[0], torch.tensor(writes), read, mask, grid, hq, hkv,
+                       d**-0.5)
+    assert got is not None
+    # unfused: per token, RoPE on its heads, the K/V written, attention over the gathered slots on the [B, Q] grid
+    x = qkv.view(t, hq + 2 * hkv, d)
+    qk_ = apply_rope(x[None, :, : hq + hkv].transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [T, Hq+Hkv, D]
+    kc, vc = caches[1]
+    kc[torch.tensor(writes)] = qk_[:, hq:]
+    vc[torch.tensor(writes)] = x[:, hq + hkv:]
+    keys = kc[read].transpose(1, 2)  # [B, Hkv, K, D]
+    values = vc[read].transpose(1, 2)
+    at = grid if grid is not None else torch.arange(t)
+    q_grid = torch.zeros(2 * q_max, hq, d)
+    q_grid[at] = qk_[:, :hq]
+    ref = attend(q_grid.view(2, q_max, hq, d).transpose(1, 2), keys, values, mask, d**-0.5)
+    ref = ref.transpose(1, 2).reshape(2 * q_max, hq * d)[at]
+    assert torch.equal(caches[0][0], kc) and torch.equal(caches[0][1], vc)
+    assert torch.equal(got, ref)

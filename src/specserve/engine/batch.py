@@ -141,8 +141,10 @@ class BatchEngine:
             self.pool, self.cache,
         )
         self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
-        # (a RoPE table that changes with the length, dynamic NTK, fits no fixed graph: such models run eager)
-        compile_steps = not (config.enforce_eager or config.batch_invariant or not model.rotary.can_reserve)
+        # (a RoPE table that changes with the length, dynamic NTK, fits no fixed graph: such models run eager; so
+        # do quantized CPU models, whose layers are already the kernel's few fused calls: `models/fused.py`)
+        compile_steps = not (config.enforce_eager or config.batch_invariant or not model.rotary.can_reserve
+                             or model.runs_fused())
         self.compiled = (CompiledSteps(model, self.kv, config.cuda_graph_max_bs, self.max_draft + 1)
                          if compile_steps else None)
         if compile_steps and drafters is not None:

@@ -25,7 +25,7 @@ BLOCK = 32
 LANES = 16
 KINDS = {"int4": 4, "int8": 8}
 PATHS = {"auto": 0, "scalar": 1, "avx2": 3, "avx512vnni": 2}  # worst to best
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qmatmul.cpp", "attention.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qmatmul.cpp", "attention.cpp", "peaks.cpp")]
 
 
 @functools.cache
@@ -45,6 +45,8 @@ def load_kernel(verbose: bool = False) -> bool:
         return False
     torch.library.register_fake("specserve_q::qmatmul")(_qmatmul_shape)
     torch.library.register_fake("specserve_q::attend_rows")(_attend_shape)
+    torch.library.register_fake("specserve_q::qlinear")(_qlinear_shape)
+    torch.library.register_fake("specserve_q::attend_paged")(_attend_paged_shape)
     return True
 
 
@@ -62,6 +64,18 @@ def _qmatmul_shape(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.T
 def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
     return q.new_empty(q.shape)  # contiguous, as the kernel returns it
+
+
+def _qlinear_shape(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, corr: torch.Tensor,
+                   kind: int, n_out: int, prologue: int, norm_w: torch.Tensor | None, eps: float,
+                   bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n_out)
+
+
+def _attend_paged_shape(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                        vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor, mask: torch.Tensor | None,
+                        grid: torch.Tensor | None, n_heads: int, n_kv: int, scale: float) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape[0], n_heads * kc.shape[2])
 
 
 def kernel_paths() -> list[str]:

@@ -18,6 +18,7 @@ from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm, rms_norm_rows
 from specserve.layers.qkernel import load_kernel
 from specserve.layers.rope import RotaryEmbedding, apply_rope
+from specserve.models.fused import FusedLayer
 
 
 @dataclass
@@ -51,9 +52,21 @@ class Attention(nn.Module):
         kv: KVView | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        b, q_len, _ = x.shape
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, layer, kv, mask))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [B, Q, (Hq + 2 Hkv) D] the fused projection's output
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        kv: KVView | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention from the q/k/v projections to the heads' outputs [B, Q, Hq D], before o_proj."""
+        b, q_len, _ = qkv.shape
         heads = self.n_heads + self.n_kv
-        qkv = self.qkv_proj(x).view(b, q_len, heads + self.n_kv, self.head_dim)
+        qkv = qkv.view(b, q_len, heads + self.n_kv, self.head_dim)
         qk, v = qkv[:, :, :heads], qkv[:, :, heads:]  # [B, Q, Hq+Hkv, D], [B, Q, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             # one norm over q and k heads together (per-row op, so identical to two separate norms)
@@ -70,7 +83,7 @@ class Attention(nn.Module):
                                                  enable_gqa=self.n_heads != self.n_kv)
         else:
             out = attend(q, k, v, mask, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.q_size))
+        return out.transpose(1, 2).reshape(b, q_len, self.q_size)
 
 
 class MLP(nn.Module):
@@ -92,13 +105,31 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._fused: tuple[nn.Module | None, FusedLayer | None] = (None, None)  # `fused_plan`: (read from, plan)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
         kv: KVView | None, mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+            fused = self.fused_plan()
+            if fused is not None:
+                return fused(x, cos, sin, layer, kv, mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused_plan(self) -> FusedLayer | None:
+        """The layer as five kernel calls (`models/fused.py`) where its projections are int4/int8 on the kernel;
+        read once, again only when the projections are swapped (`--quantization`)."""
+        attn = self.self_attn
+        owner, plan = self._fused
+        if owner is not attn.qkv_proj:
+            mlp = self.mlp
+            plan = FusedLayer.build((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                                    (self.input_layernorm, self.post_attention_layernorm),
+                                    (attn.n_heads, attn.n_kv, attn.scale), attn.q_norm is None, attn.attend)
+            self._fused = (attn.qkv_proj, plan)
+        return plan
 
 
 class Backbone(nn.Module):
@@ -120,6 +151,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def runs_fused(self) -> bool:
+        """Whether every decoder layer runs as the CPU kernel's fused calls (int4/int8 weights, `models/fused.py`):
+        such a model needs no compiled steps."""
+        return all(isinstance(layer, DecoderLayer) and layer.fused_plan() is not None for layer in self.model.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

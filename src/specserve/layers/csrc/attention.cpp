@@ -177,10 +177,117 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+// RoPE in the "rotate half" layout on one head: y = x * cos + rotate_half(x) * sin over the first `rot` dims
+// (rotate_half(x) = [-x2, x1]), the rest copied; the same products and sum PyTorch's three ops compute per element.
+void rope_head(const float* x, const float* cos, const float* sin, int64_t rot, int64_t d, float* y) {
+  const int64_t half = rot / 2;
+  for (int64_t c = 0; c < half; ++c) y[c] = x[c] * cos[c] + (-x[c + half]) * sin[c];
+  for (int64_t c = half; c < rot; ++c) y[c] = x[c] * cos[c] + x[c - half] * sin[c];
+  for (int64_t c = rot; c < d; ++c) y[c] = x[c];
+}
+
+// One decoder layer's attention on the paged KV cache in one call: RoPE on the q and k heads of qkv, the new keys
+// and values written to their slots, then each (token, head) row attended over the slots its mask admits, read in
+// place from the cache (no gathered copies). Computes what `kv.update` + `attend_rows` compute, bit for bit.
+// qkv [T, (Hq + 2 Hkv) D]; cos/sin [T, rot]; kc/vc [S, Hkv, D] (written); write [T]; read [B, K];
+// mask [B, 1, Q, K] bool or undefined (every row attends all K); grid [T]: token t's place b * Q + i in the
+// [B, Q] grid (undefined: t itself) -> [T, Hq * D].
+at::Tensor attend_paged(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
+                        at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
+                        const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,
+                        int64_t n_heads, int64_t n_kv, double scale) {
+  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() &&
+                  kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.size(1) == n_kv,
+              "attend_paged: the cache must be contiguous float32 [S, Hkv, D], keys and values alike");
+  const int64_t d = kc.size(2), t_all = qkv.size(0), heads = n_heads + 2 * n_kv;
+  TORCH_CHECK(d % L == 0 && d <= 16 * L, "attend_paged: the head dimension must be a multiple of 16, at most 256");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.size(1) == heads * d && n_heads % n_kv == 0,
+              "attend_paged: qkv must be float32 [T, (Hq + 2 Hkv) D]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t_all && cos.sizes() == sin.sizes() && cos.size(1) <= d &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "attend_paged: cos/sin must be float32 [T, rot]");
+  TORCH_CHECK(write.dim() == 1 && write.size(0) == t_all && write.scalar_type() == at::kLong &&
+                  read.dim() == 2 && read.scalar_type() == at::kLong,
+              "attend_paged: write [T] and read [B, K] must be int64");
+  const at::Tensor xc = qkv.contiguous(), cc = cos.contiguous(), sc_ = sin.contiguous();
+  const at::Tensor wc = write.contiguous(), rc = read.contiguous();
+  const int64_t b = rc.size(0), nk = rc.size(1), rot = cc.size(1);
+  at::Tensor mc, gc;
+  int64_t nq = 0;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->contiguous();
+    TORCH_CHECK(mc.scalar_type() == at::kBool && mc.dim() == 4 && mc.size(0) == b && mc.size(1) == 1 &&
+                    mc.size(3) == nk, "attend_paged: mask must be bool [B, 1, Q, K]");
+    nq = mc.size(2);
+  } else {
+    TORCH_CHECK(t_all % b == 0, "attend_paged: without a mask every row has T / B tokens");
+    nq = t_all / b;
+  }
+  if (grid.has_value() && grid->defined()) {
+    gc = grid->contiguous();
+    TORCH_CHECK(gc.scalar_type() == at::kLong && gc.numel() == t_all, "attend_paged: grid must be int64 [T]");
+  } else {
+    TORCH_CHECK(b * nq == t_all, "attend_paged: without a grid the tokens fill [B, Q]");
+  }
+  const int64_t slots = kc.size(0);
+  const int64_t* wp = wc.data_ptr<int64_t>();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_all; ++t) TORCH_CHECK(wp[t] >= 0 && wp[t] < slots, "attend_paged: write slot out of range");
+  for (int64_t i = 0; i < b * nk; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < slots, "attend_paged: read slot out of range");
+  const float* xp = xc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc_.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  at::Tensor qbuf = at::empty({t_all, n_heads, d}, xc.options());
+  float* qp = qbuf.data_ptr<float>();
+  at::parallel_for(0, t_all, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* x = xp + t * heads * d;
+      const float* ct = cp + t * rot;
+      const float* st = sp + t * rot;
+      for (int64_t h = 0; h < n_heads; ++h) rope_head(x + h * d, ct, st, rot, d, qp + (t * n_heads + h) * d);
+      float* krow = kp + wp[t] * n_kv * d;
+      for (int64_t h = 0; h < n_kv; ++h) rope_head(x + (n_heads + h) * d, ct, st, rot, d, krow + h * d);
+      std::memcpy(vp + wp[t] * n_kv * d, x + (n_heads + n_kv) * d, sizeof(float) * n_kv * d);
+    }
+  });
+  at::Tensor out = at::empty({t_all, n_heads * d}, xc.options());
+  float* op = out.data_ptr<float>();
+  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
+  const int64_t* gp = gc.defined() ? gc.data_ptr<int64_t>() : nullptr;
+  const int64_t group = n_heads / n_kv, nkp = (nk + L - 1) / L * L;
+  const float sc = static_cast<float>(scale);
+  const int nd = static_cast<int>(d / L);
+  const RowFn row = pick_row(nd);
+  // keys and values are read in place: slot s, head kh is row s * Hkv + kh of the cache seen as [S * Hkv, D]
+  at::parallel_for(0, t_all * n_heads, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> s(nkp);
+    std::vector<int32_t> idx(nk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / n_heads, h = r % n_heads, kh = h / group;
+      const int64_t at_grid = gp ? gp[t] : t, bi = at_grid / nq, i = at_grid % nq;
+      const bool* mi = mp ? mp + (bi * nq + i) * nk : nullptr;
+      const int64_t* slots_b = rp + bi * nk;
+      int64_t n = 0;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!mi || mi[j]) idx[n++] = static_cast<int32_t>(slots_b[j] * n_kv + kh);
+      }
+      row(qp + (t * n_heads + h) * d, kp, vp, idx.data(), n, nd, sc, s.data(), op + t * n_heads * d + h * d);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve_q, lib) {
   lib.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  lib.def("attend_paged(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor write, "
+          "Tensor read, Tensor? mask, Tensor? grid, int n_heads, int n_kv, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) { lib.impl("attend_rows", attend_rows); }
+TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) {
+  lib.impl("attend_rows", attend_rows);
+  lib.impl("attend_paged", attend_paged);
+}

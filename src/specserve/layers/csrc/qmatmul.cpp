@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -99,23 +101,98 @@ bool has_avx512vnni() { return false; }
 bool has_avx2() { return false; }
 #endif
 
-QuantRows quantize_rows(const at::Tensor& x, bool offset, bool vnni) {
-  const int64_t m = x.size(0), k = x.size(1), nb = k / BLK;
+// How a product's input rows are made from x before quantizing (`qlinear`), so a decoder layer needs no separate
+// norm or activation calls: NONE x itself; NORM RMSNorm(x) * w; SILU_MUL silu(x[:, :K]) * x[:, K:].
+enum Prologue : int64_t { NONE = 0, NORM = 1, SILU_MUL = 2 };
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// silu(a) * b on 32 elements, silu(a) = a / (1 + exp(-a)), exp by the fixed polynomial attention uses (lane-wise
+// float operations only, the same bits in every build): exp(t) = 2^n exp(r), t clamped to [-87, 88].
+template <int BUILD>
+__attribute__((always_inline)) inline void silu_mul_body(const float* a, const float* b, float* y) {
+  for (int h = 0; h < 2; ++h) {
+    const v16f x = *reinterpret_cast<const v16fu*>(a + 16 * h);
+    v16f t = -x;
+    t = t < -87.f ? v16f{} - 87.f : t;
+    t = t > 88.f ? v16f{} + 88.f : t;
+    const v16f u = t * 1.44269504088896341f + 12582912.f;  // round to nearest through the 1.5*2^23 bias
+    const v16f n = u - 12582912.f;
+    const v16f r = (t - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f p = v16f{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    const v16f e = p * (v16f)bits;
+    *reinterpret_cast<v16fu*>(y + 16 * h) = (x / (1.f + e)) * *reinterpret_cast<const v16fu*>(b + 16 * h);
+  }
+}
+#ifdef SPECSERVE_X86
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* a, const float* b, float* y) {
+  silu_mul_body<1>(a, b, y);
+}
+#endif
+void silu_mul_base(const float* a, const float* b, float* y) { silu_mul_body<0>(a, b, y); }
+
+// Per row: r = 1 / sqrt(sum(x^2) / k + eps), the squares summed in 16 lanes (lane = i % 16) then a fixed pairwise
+// tree, so a row's scale does not depend on the rows beside it.
+float norm_scale(const float* x, int64_t k, float eps) {
+  float lane[16] = {0.f};
+  for (int64_t i = 0; i < k; ++i) lane[i % 16] += x[i] * x[i];
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) lane[i] = lane[i] + lane[i + width];
+  }
+  return 1.f / std::sqrt(lane[0] / static_cast<float>(k) + eps);
+}
+
+// x [M, K'] float32 contiguous -> the product's quantized input rows [M, K]: the prologue (NONE: K' = K; NORM:
+// (x * r) * w; SILU_MUL: K' = 2K) applied block by block, each block then quantized; blocks run in parallel.
+QuantRows quantize_rows(const at::Tensor& x, int64_t k, bool offset, bool vnni, int64_t prologue, const float* nw,
+                        float eps) {
+  const int64_t m = x.size(0), ld = x.size(1), nb = k / BLK;
   QuantRows r{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
               at::empty({m, nb}, x.options())};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = r.q.data_ptr<int8_t>();
   float* dp = r.d.data_ptr<float>();
   float* sp = r.s.data_ptr<float>();
-  for (int64_t i = 0; i < m * nb; ++i) {
+  std::vector<float> scale(prologue == NORM ? m : 0);
+  for (int64_t row = 0; row < static_cast<int64_t>(scale.size()); ++row) scale[row] = norm_scale(xp + row * ld, k, eps);
 #ifdef SPECSERVE_X86
-    if (vnni) {
-      quant_block_avx512(xp + i * BLK, qp + i * BLK, dp + i, sp + i, offset);
-      continue;
-    }
+  const bool wide = __builtin_cpu_supports("avx512f");
+  void (*silu)(const float*, const float*, float*) = wide ? silu_mul_avx512 : silu_mul_base;
+#else
+  void (*silu)(const float*, const float*, float*) = silu_mul_base;
 #endif
-    quant_block_scalar(xp + i * BLK, qp + i * BLK, dp + i, sp + i, offset);
-  }
+  at::parallel_for(0, m * nb, 96, [&](int64_t i0, int64_t i1) {
+    alignas(64) float buf[BLK];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = i / nb, b = i % nb;
+      const float* src = xp + row * ld + b * BLK;
+      if (prologue == NORM) {
+        const float rs = scale[row];
+        for (int j = 0; j < BLK; ++j) buf[j] = (src[j] * rs) * nw[b * BLK + j];
+        src = buf;
+      } else if (prologue == SILU_MUL) {
+        silu(src, src + k, buf);
+        src = buf;
+      }
+#ifdef SPECSERVE_X86
+      if (vnni) {
+        quant_block_avx512(src, qp + i * BLK, dp + i, sp + i, offset);
+        continue;
+      }
+#endif
+      quant_block_scalar(src, qp + i * BLK, dp + i, sp + i, offset);
+    }
+  });
   return r;
 }
 
@@ -334,15 +411,13 @@ Path resolve(int64_t path) {
   return has_avx512vnni() ? AVX512VNNI : has_avx2() ? AVX2 : SCALAR;
 }
 
-// x [M, K] float32; w packed uint8; d/m fp16 [G, nb, 16]; corr int32 [G, nb, 16] (Q8) -> [M, G*16] float32.
-at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
-                   const at::Tensor& corr, int64_t kind, int64_t path) {
+void check_weights(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, const at::Tensor& corr,
+                   int64_t kind) {
   TORCH_CHECK(kind == Q4 || kind == Q8, "qmatmul: kind must be 4 or 8, got ", kind);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmatmul: x must be a 2-D float32 tensor");
-  TORCH_CHECK(d.dim() == 3 && d.size(2) == LANES && d.scalar_type() == at::kHalf, "qmatmul: d must be fp16 [G, nb, 16]");
-  const int64_t groups = d.size(0), nb = d.size(1);
-  TORCH_CHECK(x.size(1) == nb * BLK, "qmatmul: x has ", x.size(1), " columns, the weight ", nb * BLK);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == groups * nb * (kind == Q4 ? 256 : 512),
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == LANES && d.scalar_type() == at::kHalf && d.is_contiguous(),
+              "qmatmul: d must be contiguous fp16 [G, nb, 16]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == d.size(0) * d.size(1) * (kind == Q4 ? 256 : 512),
               "qmatmul: packed weight of the wrong size or type");
   if (kind == Q4) {
     TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kHalf && m.is_contiguous(), "qmatmul: m like d");
@@ -350,17 +425,19 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
     TORCH_CHECK(corr.sizes() == d.sizes() && corr.scalar_type() == at::kInt && corr.is_contiguous(),
                 "qmatmul: corr int32 like d");
   }
-  const Path run = resolve(path);
+}
+
+// y [M, G*16] = xc [M, K] . W^T on `run`; then, per output, y = (y + bias) + residual where given (the order an
+// unfused layer adds them in). bias [N], residual [M, N] float32, N <= G*16.
+void product(const at::Tensor& xc, int64_t prologue, const float* nw, float eps, const at::Tensor& w,
+             const at::Tensor& d, const at::Tensor& m, const at::Tensor& corr, int64_t kind, Path run,
+             const float* bias, const float* residual, int64_t n_out, at::Tensor& y) {
   const bool vnni = run == AVX512VNNI;
-  const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), n = groups * LANES;
-  at::Tensor y = at::empty({rows, n}, xc.options());
-  if (rows == 0) return y;
+  const int64_t rows = xc.size(0), groups = d.size(0), nb = d.size(1), n = groups * LANES;
   // the VNNI and scalar Q8 products take activations offset to unsigned (their sums corrected by corr)
-  const QuantRows X = quantize_rows(xc, kind == Q8 && run != AVX2, vnni);
-  const Weights W{w.data_ptr<uint8_t>(), d.contiguous().data_ptr<c10::Half>(),
-                  kind == Q4 ? m.data_ptr<c10::Half>() : nullptr, kind == Q8 ? corr.data_ptr<int32_t>() : nullptr,
-                  nb};
+  const QuantRows X = quantize_rows(xc, nb * BLK, kind == Q8 && run != AVX2, vnni, prologue, nw, eps);
+  const Weights W{w.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4 ? m.data_ptr<c10::Half>() : nullptr,
+                  kind == Q8 ? corr.data_ptr<int32_t>() : nullptr, nb};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -368,18 +445,80 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
       if (vnni) {
         if (kind == Q4) vnni_group<Q4>(W, g, X, rows, yp, n);
         else vnni_group<Q8>(W, g, X, rows, yp, n);
-        continue;
-      }
-      if (run == AVX2) {
+      } else if (run == AVX2) {
         if (kind == Q4) avx2_group<Q4>(W, g, X, rows, yp, n);
         else avx2_group<Q8>(W, g, X, rows, yp, n);
-        continue;
+      } else {
+        scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
       }
-#endif
+#else
       scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
+#endif
+      if (bias == nullptr && residual == nullptr) continue;
+      const int64_t c1 = std::min<int64_t>((g + 1) * LANES, n_out);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* yr = yp + r * n;
+        for (int64_t c = g * LANES; c < c1; ++c) {
+          float v = yr[c];
+          if (bias != nullptr) v = v + bias[c];
+          if (residual != nullptr) v = residual[r * n_out + c] + v;
+          yr[c] = v;
+        }
+      }
     }
   });
+}
+
+// x [M, K] float32; w packed uint8; d/m fp16 [G, nb, 16]; corr int32 [G, nb, 16] (Q8) -> [M, G*16] float32.
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
+                   const at::Tensor& corr, int64_t kind, int64_t path) {
+  check_weights(w, d, m, corr, kind);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmatmul: x must be a 2-D float32 tensor");
+  TORCH_CHECK(x.size(1) == d.size(1) * BLK, "qmatmul: x has ", x.size(1), " columns, the weight ", d.size(1) * BLK);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({xc.size(0), d.size(0) * LANES}, xc.options());
+  if (xc.size(0) == 0) return y;
+  product(xc, NONE, nullptr, 0.f, w, d, m, corr, kind, resolve(path), nullptr, nullptr, y.size(1), y);
   return y;
+}
+
+// One projection of a decoder layer in one call: the prologue (none, RMSNorm, SiLU-mul) makes the input rows from
+// x, the product runs on the best path, and the bias and the residual are added -> [M, n_out] float32.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
+                   const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
+                   const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& residual) {
+  check_weights(w, d, m, corr, kind);
+  const int64_t k = d.size(1) * BLK, n = d.size(0) * LANES;
+  TORCH_CHECK(n_out <= n && n_out > n - LANES, "qlinear: n_out ", n_out, " does not match the weight's ", n);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be a 2-D float32 tensor");
+  TORCH_CHECK(prologue == NONE || prologue == NORM || prologue == SILU_MUL, "qlinear: unknown prologue ", prologue);
+  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.size(1) == (prologue == SILU_MUL ? 2 * k : k), "qlinear: x has ", xc.size(1), " columns, the weight ",
+              k, prologue == SILU_MUL ? " (silu-mul takes x of 2K columns)" : "");
+  at::Tensor nw;
+  if (prologue == NORM) {
+    TORCH_CHECK(norm_w.has_value() && norm_w->numel() == k && norm_w->scalar_type() == at::kFloat,
+                "qlinear: a norm prologue needs a float32 weight of ", k);
+    nw = norm_w->contiguous();
+  }
+  at::Tensor bc, rc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out, "qlinear: bias must be float32 [n_out]");
+  }
+  if (residual.has_value() && residual->defined()) {
+    rc = residual->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.dim() == 2 && rc.size(0) == xc.size(0) && rc.size(1) == n_out,
+                "qlinear: residual must be float32 [M, n_out]");
+  }
+  at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+  if (xc.size(0) > 0) {
+    product(xc, prologue, nw.defined() ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps), w, d, m, corr, kind,
+            resolve(AUTO), bc.defined() ? bc.data_ptr<float>() : nullptr,
+            rc.defined() ? rc.data_ptr<float>() : nullptr, n_out, y);
+  }
+  return n_out == n ? y : y.narrow(1, 0, n_out);
 }
 
 bool path_available(int64_t path) {
@@ -391,8 +530,11 @@ bool path_available(int64_t path) {
 TORCH_LIBRARY(specserve_q, lib) {
   lib.def("qmatmul(Tensor x, Tensor w, Tensor d, Tensor m, Tensor corr, int kind, int path=0) -> Tensor");
   lib.def("path_available(int path) -> bool", path_available);
+  lib.def("qlinear(Tensor x, Tensor w, Tensor d, Tensor m, Tensor corr, int kind, int n_out, int prologue, "
+          "Tensor? norm_w, float eps, Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) {
   lib.impl("qmatmul", qmatmul);
+  lib.impl("qlinear", qlinear);
 }
