@@ -23,15 +23,26 @@ from specserve.server.cli import add_serve_parser
 from specserve.train.cli import add_train_parsers
 
 
+class AdaptiveFlag(argparse.BooleanOptionalAction):
+    """--[no-]speculative-adaptive, remembering whether it was given (`adaptive_given`): asked for explicitly with
+    no drafter it is an error; by default it just does not apply."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.adaptive_given = True
+
+
 def _generate(a: argparse.Namespace) -> int:
     from specserve.engine.llm import LLM
 
     params = sampling_from_args(a)  # validate flags before loading anything
     spec = speculative_from_args(a)
-    if a.speculative_adaptive and not spec.enabled:
-        raise SystemExit("--speculative-adaptive needs --speculative-algorithm other than NONE")
+    if a.speculative_adaptive and not spec.enabled and a.adaptive_given:
+        raise ValueError("--speculative-adaptive needs a drafter: add --speculative-algorithm (NGRAM, SUFFIX, "
+                         "EAGLE3, DFLASH, STANDALONE) or drop the flag")
     llm = LLM(a.model, device=a.device, dtype=a.dtype, quantization=a.quantization, speculative=spec,
-              draft_dtype=a.speculative_draft_dtype, adaptive=a.speculative_adaptive,
+              draft_dtype=a.speculative_draft_dtype, adaptive=a.speculative_adaptive and spec.enabled,
               adaptive_profile=a.speculative_adaptive_profile, enforce_eager=not a.compile)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if a.chat else p
                for p in a.prompt]
@@ -46,6 +57,7 @@ def _generate(a: argparse.Namespace) -> int:
             }
             if spec.enabled:
                 out.update({
+                    "adaptive": llm.adaptive,
                     "accept_length": round(res.accept_length, 4), "num_verify_steps": res.num_verify_steps,
                     "accept_per_position": [round(x, 4) for x in res.accept_per_position],
                     "draft_s": round(res.draft_s, 4), "verify_s": round(res.verify_s, 4),
@@ -85,15 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_args(g)
     add_speculative_args(g)
-    g.add_argument("--speculative-adaptive", action="store_true",
+    g.add_argument("--speculative-adaptive", action=AdaptiveFlag, default=True,
                    help="pick each step's draft width (or none) from a cost profile measured once per machine, as "
-                        "`serve` does by default; without it every step drafts the configured width")
+                        "`serve` does (the default): a drafter that does not pay on a prompt is not verified; "
+                        "--no-speculative-adaptive drafts and verifies the configured width every step")
     g.add_argument("--speculative-adaptive-profile", default=None, metavar="PATH",
                    help="the cost profile to reuse (default: the per-machine one, measured when missing)")
     g.add_argument("--compile", action="store_true",
                    help="compile the decode steps first (tens of seconds once, cached on disk; pays off over long "
                         "outputs; `serve` compiles them by default: see its --enforce-eager)")
-    g.set_defaults(func=_generate)
+    g.set_defaults(func=_generate, adaptive_given=False)
 
     t = sub.add_parser("train-target", help="train the bundled demo target (tokenizer + Qwen3 model)")
     t.add_argument("--out", default="runs/demo-target")

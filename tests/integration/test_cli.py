@@ -29,6 +29,25 @@ def test_generate_json(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> No
     assert obj["tokens_per_s"] > 0 and isinstance(obj["text"], str)
 
 
+def test_generate_speculates_adaptively_by_default(capsys: pytest.CaptureFixture[str], tiny_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """As `serve`: the measured policy decides each step (a drafter that does not pay is not verified); the tokens
+    are plain greedy's either way; --no-speculative-adaptive verifies every step; asked for with no drafter, an
+    error naming the flag."""
+    base = ["generate", "--model", str(tiny_dir), "--prompt", "def f(x):", "--max-new-tokens", "12", "--ignore-eos",
+            "--json", "--device", "cpu", "--dtype", "float32"]
+    code, plain, _ = run(capsys, *base)
+    ngram = [*base, "--speculative-algorithm", "NGRAM", "--speculative-adaptive-profile", str(tmp_path / "p.json")]
+    code1, adaptive, _ = run(capsys, *ngram)
+    code2, forced, _ = run(capsys, *ngram, "--no-speculative-adaptive")
+    assert code == code1 == code2 == 0
+    assert json.loads(adaptive)["adaptive"] and not json.loads(forced)["adaptive"]
+    assert json.loads(forced)["num_verify_steps"] > 0 and (tmp_path / "p.json").exists()
+    assert json.loads(adaptive)["token_ids"] == json.loads(forced)["token_ids"] == json.loads(plain)["token_ids"]
+    code3, _, err = run(capsys, *base, "--speculative-adaptive")
+    _one_line_error(code3, err, "--speculative-adaptive")
+
+
 def test_generate_compile_gives_the_eager_tokens(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> None:
     import torch
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_util import running_server
+from server_util import running_server, start_server
 from specserve.config import SpeculativeConfig
 from specserve.engine.compiled import Bucket, CompiledSteps
 from specserve.engine.engine_config import EngineConfig
@@ -19,6 +21,32 @@ from specserve.types import SamplingParams
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:\n", "x = [1, 2, 3]\n", "for i in range(10):"]
 PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.server
+def test_sigterm_while_compiling_under_traffic_exits_zero(tiny_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while the decode steps compile on their own thread, requests in flight and streams dropped: the
+    server drains and exits 0 (a systemd unit records anything else as a failure)."""
+    args = ["--model", str(tiny_dir), "--dtype", "float32", "--no-enforce-eager", "--speculative-algorithm", "NGRAM"]
+    srv = start_server(args, tmp_path / "s.log")
+    try:
+        def ask(i: int) -> None:
+            body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 32, "ignore_eos": True, "stream": i % 2 == 0}
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", srv.url + "/v1/completions", json=body,
+                                                                    timeout=30) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if body["stream"] and n == 2:
+                        break  # the client leaves mid-stream
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        assert httpx.get(srv.url + "/server_info").json()["compiling"]
+        assert srv.stop(signal.SIGTERM, timeout=60) == 0, srv.log_tail()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        srv.stop(signal.SIGKILL)
 
 
 @pytest.mark.server

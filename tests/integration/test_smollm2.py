@@ -92,7 +92,7 @@ def test_readme_command_answers_with_code(capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["quantization"] == "int4" and out["speculative_algorithm"] == "NGRAM"
-    assert "def " in out["text"] and out["num_verify_steps"] > 0
+    assert "def " in out["text"] and "num_verify_steps" in out  # adaptive (the default): verified where it pays
 
 
 def drafters(llm: LLM, algorithm: str) -> DrafterBuilder:

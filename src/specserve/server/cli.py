@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -95,10 +96,17 @@ def run_server(cfg: ServeConfig) -> int:
     # before it started: make that one a no-op, so a graceful shutdown ends with exit code 0.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
     server.run()
+    code = 0 if server.started else 1
     if not server.started:
         print(f"specserve serve: could not serve on {cfg.host}:{cfg.port}", file=sys.stderr)
-        return 1
-    return 0
+    if engine.warmup is not None and engine.warmup.running:
+        # The drain is over, but the compile thread is inside inductor's C++: the interpreter's finalization would
+        # run C++ destructors beside it (std::terminate, SIGABRT). Nothing is left to save: end the process here.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def address_problem(host: str, port: int) -> str | None:

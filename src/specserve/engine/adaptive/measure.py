@@ -131,6 +131,7 @@ def profile_key(engine: ProfiledEngine) -> str:
         # weight-only quantized projections (layers/quant.py): their kind and whether the C++ kernel runs them
         "quantization": next(([m.kind, m.kernel] for m in engine.model.modules() if isinstance(m, QuantLinear)),
                              None),
+        "fused_layers": engine.model.runs_fused(),  # a layer in five kernel calls (models/fused.py) costs less
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
