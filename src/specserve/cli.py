@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from specserve.bench.acceptance_cli import add_acceptance_parser
 from specserve.bench.cli import add_bench_parsers
@@ -27,8 +28,8 @@ class AdaptiveFlag(argparse.BooleanOptionalAction):
     """--[no-]speculative-adaptive, remembering whether it was given (`adaptive_given`): asked for explicitly with
     no drafter it is an error; by default it just does not apply."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         super().__call__(parser, namespace, values, option_string)
         namespace.adaptive_given = True
 
