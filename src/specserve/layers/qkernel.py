@@ -25,7 +25,8 @@ BLOCK = 32
 LANES = 16
 KINDS = {"int4": 4, "int8": 8}
 PATHS = {"auto": 0, "scalar": 1, "avx2": 3, "avx512vnni": 2}  # worst to best
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qmatmul.cpp", "attention.cpp", "peaks.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("qmatmul.cpp", "attention.cpp", "layers.cpp",
+                                                                       "peaks.cpp")]
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from specserve.layers.quant import NONE, NORM, SILU_MUL, QuantLinear
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, KVView | None, torch.Tensor | None], torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Projection:
     """One QuantLinear's arguments to `specserve_q::qlinear`, read once."""
 
@@ -49,7 +49,7 @@ class Projection:
         return torch.ops.specserve_q.qlinear(x, *self.args, prologue, w, eps, self.bias, residual)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FusedLayer:
     """A decoder layer's kernel calls. `attend` is the layer's unfused attention (from the q/k/v projection's
     output [B, Q, (Hq + 2 Hkv) D] to [B, Q, Hq D]), for caches other than the paged one."""
@@ -93,3 +93,41 @@ class FusedLayer:
         x2 = self.o(out, residual=x2)
         h = self.gate_up(x2, NORM, self.mlp_norm)  # [T, 2 I]
         return self.down(h, SILU_MUL, residual=x2).view(b, q_len, hidden)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedStack:
+    """Every decoder layer's kernel calls in one call from Python (`specserve_q::decoder_stack`,
+    `layers/csrc/layers.cpp`), for forwards on the paged cache: the same operators and bits as the layers' own
+    `FusedLayer` calls, without a Python round trip per call."""
+
+    layers: tuple[FusedLayer, ...]  # what this was read from: stale once a layer's plan changes
+    w: list[torch.Tensor]  # per layer, per projection: w, d, m, corr
+    bias: list[torch.Tensor | None]
+    kinds: list[int]
+    n_out: list[int]
+    norms: list[torch.Tensor]
+    eps: list[float]
+    heads: tuple[int, int, float]
+
+    @staticmethod
+    def build(layers: tuple[FusedLayer, ...]) -> FusedStack | None:
+        """None unless every layer runs its attention on the paged cache."""
+        if not layers or not all(f.paged for f in layers):
+            return None
+        projs = [p for f in layers for p in (f.qkv, f.o, f.gate_up, f.down)]
+        return FusedStack(layers, [t for p in projs for t in p.args[:4]], [p.bias for p in projs],
+                          [p.args[4] for p in projs], [p.args[5] for p in projs],
+                          [n[0] for f in layers for n in (f.attn_norm, f.mlp_norm)],
+                          [n[1] for f in layers for n in (f.attn_norm, f.mlp_norm)], layers[0].heads)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedView,
+                 capture: tuple[int, ...]) -> list[torch.Tensor]:
+        """x [B, Q, H] float32 -> [x after the last layer, then after each layer of `capture` (0 = x itself)],
+        each [B, Q, H]; cos/sin [B, 1, Q, rot]."""
+        shape, rot = x.shape, cos.shape[-1]
+        out = torch.ops.specserve_q.decoder_stack(
+            x.reshape(-1, shape[-1]), self.w, self.bias, self.kinds, self.n_out, self.norms, self.eps,
+            cos.reshape(-1, rot), sin.reshape(-1, rot), kv.cache.k, kv.cache.v, kv.write_slots, kv.read_slots,
+            kv.mask, kv.pack, *self.heads, sorted(capture))
+        return [t.view(shape) for t in out]

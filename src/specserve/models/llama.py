@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.kv.paged import PagedView
 from specserve.kv.view import KVView
 from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm, rms_norm_rows
 from specserve.layers.qkernel import load_kernel
 from specserve.layers.rope import RotaryEmbedding, apply_rope
-from specserve.models.fused import FusedLayer
+from specserve.models.fused import FusedLayer, FusedStack
 
 
 @dataclass
@@ -151,11 +152,26 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self._stack: FusedStack | None = None  # `fused_stack`, read once
 
     def runs_fused(self) -> bool:
         """Whether every decoder layer runs as the CPU kernel's fused calls (int4/int8 weights, `models/fused.py`):
         such a model needs no compiled steps."""
         return all(isinstance(layer, DecoderLayer) and layer.fused_plan() is not None for layer in self.model.layers)
+
+    def fused_stack(self, x: torch.Tensor, kv: KVView | None) -> FusedStack | None:
+        """The decoder stack as one kernel call (`models/fused.py`) where every layer is fused and this forward
+        runs on the paged float32 cache (eager: a compiled graph must see the cache writes)."""
+        if not (isinstance(kv, PagedView) and x.dtype == torch.float32 and x.device.type == "cpu"
+                and not x.requires_grad and kv.cache.k[0].dtype == torch.float32
+                and not torch.compiler.is_compiling()):
+            return None
+        plans = tuple(layer.fused_plan() if isinstance(layer, DecoderLayer) else None for layer in self.model.layers)
+        if any(p is None for p in plans):
+            return None
+        if self._stack is None or any(a is not b for a, b in zip(self._stack.layers, plans, strict=True)):
+            self._stack = FusedStack.build(tuple(p for p in plans if p is not None))
+        return self._stack
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -177,12 +193,17 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         captured: dict[int, torch.Tensor] = {}
-        if 0 in capture:
-            captured[0] = x
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kv, mask)
-            if i + 1 in capture:
-                captured[i + 1] = x
+        stack = self.fused_stack(x, kv)
+        if stack is not None and isinstance(kv, PagedView):  # every layer in one kernel call
+            x, *states = stack(x, cos, sin, kv, capture)
+            captured = dict(zip(sorted(capture), states, strict=True))
+        else:
+            if 0 in capture:
+                captured[0] = x
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, i, kv, mask)
+                if i + 1 in capture:
+                    captured[i + 1] = x
         if last_only:
             x = x[:, -1:]
         h = self.model.norm(x)

@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -192,7 +194,7 @@ void rope_head(const float* x, const float* cos, const float* sin, int64_t rot, 
 // qkv [T, (Hq + 2 Hkv) D]; cos/sin [T, rot]; kc/vc [S, Hkv, D] (written); write [T]; read [B, K];
 // mask [B, 1, Q, K] bool or undefined (every row attends all K); grid [T]: token t's place b * Q + i in the
 // [B, Q] grid (undefined: t itself) -> [T, Hq * D].
-at::Tensor attend_paged(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
+at::Tensor attend_paged_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
                         at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
                         const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,
                         int64_t n_heads, int64_t n_kv, double scale) {
@@ -281,6 +283,15 @@ at::Tensor attend_paged(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 }  // namespace
 
+namespace specserve {
+at::Tensor attend_paged(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
+                        at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
+                        const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,
+                        int64_t n_heads, int64_t n_kv, double scale) {
+  return attend_paged_impl(qkv, cos, sin, kc, vc, write, read, mask, grid, n_heads, n_kv, scale);
+}
+}  // namespace specserve
+
 TORCH_LIBRARY_FRAGMENT(specserve_q, lib) {
   lib.def("attend_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   lib.def("attend_paged(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, Tensor write, "
@@ -289,5 +300,5 @@ TORCH_LIBRARY_FRAGMENT(specserve_q, lib) {
 
 TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) {
   lib.impl("attend_rows", attend_rows);
-  lib.impl("attend_paged", attend_paged);
+  lib.impl("attend_paged", specserve::attend_paged);
 }

@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"
 #include <c10/util/Half.h>
 
 #include <cmath>
@@ -484,7 +486,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 
 // One projection of a decoder layer in one call: the prologue (none, RMSNorm, SiLU-mul) makes the input rows from
 // x, the product runs on the best path, and the bias and the residual are added -> [M, n_out] float32.
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
+at::Tensor qlinear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                    const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
                    const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
                    const std::optional<at::Tensor>& residual) {
@@ -527,6 +529,15 @@ bool path_available(int64_t path) {
 
 }  // namespace
 
+namespace specserve {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
+                   const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
+                   const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& residual) {
+  return qlinear_impl(x, w, d, m, corr, kind, n_out, prologue, norm_w, eps, bias, residual);
+}
+}  // namespace specserve
+
 TORCH_LIBRARY(specserve_q, lib) {
   lib.def("qmatmul(Tensor x, Tensor w, Tensor d, Tensor m, Tensor corr, int kind, int path=0) -> Tensor");
   lib.def("path_available(int path) -> bool", path_available);
@@ -536,5 +547,5 @@ TORCH_LIBRARY(specserve_q, lib) {
 
 TORCH_LIBRARY_IMPL(specserve_q, CPU, lib) {
   lib.impl("qmatmul", qmatmul);
-  lib.impl("qlinear", qlinear);
+  lib.impl("qlinear", specserve::qlinear);
 }
