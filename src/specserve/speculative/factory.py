@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specserve.config import MODEL_FREE, ModelConfig, SpeculativeConfig
+from specserve.layers.quant import QuantLinear
 from specserve.models.layout import column_major_projections, two_layout_heads
 from specserve.models.llama import CausalLM
 from specserve.models.loader import load_config, load_model, resolve_model_path
@@ -102,7 +103,10 @@ class DrafterBuilder:
 
             assert plan.draft_dir is not None
             self.weights = load_dflash(plan.draft_dir, target.config, device, dtype)
-            if target.lm_head.weight.dtype != dtype:
+            # a quantized target's head multiplies the block's rows through the int8 kernel itself (`layers/quant.py`),
+            # never as a float product of the whole vocabulary
+            quantized_head = isinstance(target.lm_head, QuantLinear) and target.lm_head.kernel
+            if target.lm_head.weight.dtype != dtype and not quantized_head:
                 w = target.lm_head.weight.detach()  # [V, H]
                 self.head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
                 self.head.weight.data.copy_(w)

@@ -31,6 +31,7 @@ from torch import nn
 
 from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import ContiguousKVCache
+from specserve.layers.quant import QuantLinear
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.dflash.checkpoint import check_against_target, dflash_block_size
@@ -137,6 +138,8 @@ class DFlashDrafter(Drafter):
         # as one [N, H] matrix: a strided 3-D slice of the block outputs makes matmul fall back to a batched
         # product over a broadcast weight, 2-6x slower on CPU
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if isinstance(self.head, QuantLinear):  # the int8 kernel reads and writes float32
+            flat = flat.float()
         return torch.log_softmax(self.head(flat).float(), dim=-1).view(*hidden.shape[:-1], -1)
 
     def _rows(self, rows: int | None) -> int:
