@@ -270,6 +270,12 @@ void vnni_chunk(const Weights& W, int64_t g, const int8_t* xq, const float* xd, 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t gb = g * nb + b;
     __m512i w[8];
+    if (R <= 2) {  // a few rows are bound by reading: ask for the blocks a few ahead (groups are contiguous)
+      const uint8_t* ahead = W.w + (gb + 6) * (KIND == Q4 ? 256 : 512);
+      for (int c = 0; c < (KIND == Q4 ? 4 : 8); ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * c), _MM_HINT_T0);
+      }
+    }
     if (KIND == Q4) {
       const uint8_t* wb = W.w + gb * 256;
       for (int j = 0; j < 4; ++j) {
