@@ -44,9 +44,21 @@ def _forward(llm: LLM, rows: list[Row], capture: tuple[int, ...]) -> list[RowOut
     return engine.runner.forward(rows, capture)
 
 
-def test_the_stack_in_one_call_is_the_layers_calls(llama_int8: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_stack_in_one_call_is_the_layers_calls(llama_int8: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                   threads: int) -> None:
+    """One team of `threads` for the whole stack, each step split over it, against the per-layer operators."""
     assert llama_int8.model.runs_fused()
     capture = (0, 1, 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare_stack(llama_int8, monkeypatch, capture)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _compare_stack(llama_int8: LLM, monkeypatch: pytest.MonkeyPatch, capture: tuple[int, ...]) -> None:
     for rows in _rows():
         stacked = _forward(llama_int8, rows, capture)
         with monkeypatch.context() as m:

@@ -195,88 +195,32 @@ void rope_head(const float* x, const float* cos, const float* sin, int64_t rot, 
 // mask [B, 1, Q, K] bool or undefined (every row attends all K); grid [T]: token t's place b * Q + i in the
 // [B, Q] grid (undefined: t itself) -> [T, Hq * D].
 at::Tensor attend_paged_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
-                        at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
-                        const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,
-                        int64_t n_heads, int64_t n_kv, double scale) {
-  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() &&
-                  kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.size(1) == n_kv,
-              "attend_paged: the cache must be contiguous float32 [S, Hkv, D], keys and values alike");
-  const int64_t d = kc.size(2), t_all = qkv.size(0), heads = n_heads + 2 * n_kv;
-  TORCH_CHECK(d % L == 0 && d <= 16 * L, "attend_paged: the head dimension must be a multiple of 16, at most 256");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.size(1) == heads * d && n_heads % n_kv == 0,
-              "attend_paged: qkv must be float32 [T, (Hq + 2 Hkv) D]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t_all && cos.sizes() == sin.sizes() && cos.size(1) <= d &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "attend_paged: cos/sin must be float32 [T, rot]");
-  TORCH_CHECK(write.dim() == 1 && write.size(0) == t_all && write.scalar_type() == at::kLong &&
-                  read.dim() == 2 && read.scalar_type() == at::kLong,
-              "attend_paged: write [T] and read [B, K] must be int64");
-  const at::Tensor xc = qkv.contiguous(), cc = cos.contiguous(), sc_ = sin.contiguous();
-  const at::Tensor wc = write.contiguous(), rc = read.contiguous();
-  const int64_t b = rc.size(0), nk = rc.size(1), rot = cc.size(1);
-  at::Tensor mc, gc;
-  int64_t nq = 0;
-  if (mask.has_value() && mask->defined()) {
-    mc = mask->contiguous();
-    TORCH_CHECK(mc.scalar_type() == at::kBool && mc.dim() == 4 && mc.size(0) == b && mc.size(1) == 1 &&
-                    mc.size(3) == nk, "attend_paged: mask must be bool [B, 1, Q, K]");
-    nq = mc.size(2);
-  } else {
-    TORCH_CHECK(t_all % b == 0, "attend_paged: without a mask every row has T / B tokens");
-    nq = t_all / b;
-  }
-  if (grid.has_value() && grid->defined()) {
-    gc = grid->contiguous();
-    TORCH_CHECK(gc.scalar_type() == at::kLong && gc.numel() == t_all, "attend_paged: grid must be int64 [T]");
-  } else {
-    TORCH_CHECK(b * nq == t_all, "attend_paged: without a grid the tokens fill [B, Q]");
-  }
-  const int64_t slots = kc.size(0);
-  const int64_t* wp = wc.data_ptr<int64_t>();
-  const int64_t* rp = rc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < t_all; ++t) TORCH_CHECK(wp[t] >= 0 && wp[t] < slots, "attend_paged: write slot out of range");
-  for (int64_t i = 0; i < b * nk; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < slots, "attend_paged: read slot out of range");
+                             at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
+                             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,
+                             int64_t n_heads, int64_t n_kv, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat, "attend_paged: qkv must be float32 [T, (Hq + 2 Hkv) D]");
+  const specserve::PagedCall c = specserve::check_paged(qkv.size(0), qkv.size(1), cos, sin, kc, vc, write, read, mask,
+                                                        grid, n_heads, n_kv);
+  const at::Tensor xc = qkv.contiguous();
+  const int64_t t_all = xc.size(0), d = c.d, rot = c.rot, nk = c.nk, nq = c.nq;
   const float* xp = xc.data_ptr<float>();
-  const float* cp = cc.data_ptr<float>();
-  const float* sp = sc_.data_ptr<float>();
+  const float* cp = c.cos.data_ptr<float>();
+  const float* sp = c.sin.data_ptr<float>();
+  const int64_t* wp = c.write.data_ptr<int64_t>();
+  const int64_t* rp = c.read.data_ptr<int64_t>();
   float* kp = kc.data_ptr<float>();
   float* vp = vc.data_ptr<float>();
   at::Tensor qbuf = at::empty({t_all, n_heads, d}, xc.options());
   float* qp = qbuf.data_ptr<float>();
   at::parallel_for(0, t_all, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* x = xp + t * heads * d;
-      const float* ct = cp + t * rot;
-      const float* st = sp + t * rot;
-      for (int64_t h = 0; h < n_heads; ++h) rope_head(x + h * d, ct, st, rot, d, qp + (t * n_heads + h) * d);
-      float* krow = kp + wp[t] * n_kv * d;
-      for (int64_t h = 0; h < n_kv; ++h) rope_head(x + (n_heads + h) * d, ct, st, rot, d, krow + h * d);
-      std::memcpy(vp + wp[t] * n_kv * d, x + (n_heads + n_kv) * d, sizeof(float) * n_kv * d);
-    }
+    specserve::rope_write_range(xp, cp, sp, rot, d, n_heads, n_kv, wp, kp, vp, qp, t0, t1);
   });
   at::Tensor out = at::empty({t_all, n_heads * d}, xc.options());
   float* op = out.data_ptr<float>();
-  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
-  const int64_t* gp = gc.defined() ? gc.data_ptr<int64_t>() : nullptr;
-  const int64_t group = n_heads / n_kv, nkp = (nk + L - 1) / L * L;
-  const float sc = static_cast<float>(scale);
-  const int nd = static_cast<int>(d / L);
-  const RowFn row = pick_row(nd);
-  // keys and values are read in place: slot s, head kh is row s * Hkv + kh of the cache seen as [S * Hkv, D]
+  const bool* mp = c.mask.defined() ? c.mask.data_ptr<bool>() : nullptr;
+  const int64_t* gp = c.grid.defined() ? c.grid.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, t_all * n_heads, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> s(nkp);
-    std::vector<int32_t> idx(nk);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t t = r / n_heads, h = r % n_heads, kh = h / group;
-      const int64_t at_grid = gp ? gp[t] : t, bi = at_grid / nq, i = at_grid % nq;
-      const bool* mi = mp ? mp + (bi * nq + i) * nk : nullptr;
-      const int64_t* slots_b = rp + bi * nk;
-      int64_t n = 0;
-      for (int64_t j = 0; j < nk; ++j) {
-        if (!mi || mi[j]) idx[n++] = static_cast<int32_t>(slots_b[j] * n_kv + kh);
-      }
-      row(qp + (t * n_heads + h) * d, kp, vp, idx.data(), n, nd, sc, s.data(), op + t * n_heads * d + h * d);
-    }
+    specserve::attend_range(qp, kp, vp, rp, nk, mp, nq, gp, n_heads, n_kv, d, static_cast<float>(scale), r0, r1, op);
   });
   return out;
 }
@@ -284,6 +228,93 @@ at::Tensor attend_paged_impl(const at::Tensor& qkv, const at::Tensor& cos, const
 }  // namespace
 
 namespace specserve {
+
+PagedCall check_paged(int64_t t_all, int64_t qkv_width, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& write, const at::Tensor& read,
+                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid, int64_t n_heads,
+                      int64_t n_kv) {
+  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() &&
+                  kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.size(1) == n_kv,
+              "attend_paged: the cache must be contiguous float32 [S, Hkv, D], keys and values alike");
+  PagedCall c;
+  c.d = kc.size(2);
+  TORCH_CHECK(c.d % L == 0 && c.d <= 16 * L, "attend_paged: the head dimension must be a multiple of 16, at most 256");
+  TORCH_CHECK(qkv_width == (n_heads + 2 * n_kv) * c.d && n_heads % n_kv == 0,
+              "attend_paged: qkv must be float32 [T, (Hq + 2 Hkv) D]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == t_all && cos.sizes() == sin.sizes() && cos.size(1) <= c.d &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "attend_paged: cos/sin must be float32 [T, rot]");
+  TORCH_CHECK(write.dim() == 1 && write.size(0) == t_all && write.scalar_type() == at::kLong &&
+                  read.dim() == 2 && read.scalar_type() == at::kLong,
+              "attend_paged: write [T] and read [B, K] must be int64");
+  c.cos = cos.contiguous();
+  c.sin = sin.contiguous();
+  c.write = write.contiguous();
+  c.read = read.contiguous();
+  const int64_t b = c.read.size(0);
+  c.nk = c.read.size(1);
+  c.rot = c.cos.size(1);
+  if (mask.has_value() && mask->defined()) {
+    c.mask = mask->contiguous();
+    TORCH_CHECK(c.mask.scalar_type() == at::kBool && c.mask.dim() == 4 && c.mask.size(0) == b &&
+                    c.mask.size(1) == 1 && c.mask.size(3) == c.nk, "attend_paged: mask must be bool [B, 1, Q, K]");
+    c.nq = c.mask.size(2);
+  } else {
+    TORCH_CHECK(t_all % b == 0, "attend_paged: without a mask every row has T / B tokens");
+    c.nq = t_all / b;
+  }
+  if (grid.has_value() && grid->defined()) {
+    c.grid = grid->contiguous();
+    TORCH_CHECK(c.grid.scalar_type() == at::kLong && c.grid.numel() == t_all, "attend_paged: grid must be int64 [T]");
+  } else {
+    TORCH_CHECK(b * c.nq == t_all, "attend_paged: without a grid the tokens fill [B, Q]");
+  }
+  const int64_t slots = kc.size(0);
+  const int64_t* wp = c.write.data_ptr<int64_t>();
+  const int64_t* rp = c.read.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_all; ++t) TORCH_CHECK(wp[t] >= 0 && wp[t] < slots, "attend_paged: write slot out of range");
+  for (int64_t i = 0; i < b * c.nk; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < slots, "attend_paged: read slot out of range");
+  }
+  return c;
+}
+
+void rope_write_range(const float* qkv, const float* cos, const float* sin, int64_t rot, int64_t d, int64_t n_heads,
+                      int64_t n_kv, const int64_t* write, float* kc, float* vc, float* qbuf, int64_t t0, int64_t t1) {
+  const int64_t heads = n_heads + 2 * n_kv;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* x = qkv + t * heads * d;
+    const float* ct = cos + t * rot;
+    const float* st = sin + t * rot;
+    for (int64_t h = 0; h < n_heads; ++h) rope_head(x + h * d, ct, st, rot, d, qbuf + (t * n_heads + h) * d);
+    float* krow = kc + write[t] * n_kv * d;
+    for (int64_t h = 0; h < n_kv; ++h) rope_head(x + (n_heads + h) * d, ct, st, rot, d, krow + h * d);
+    std::memcpy(vc + write[t] * n_kv * d, x + (n_heads + n_kv) * d, sizeof(float) * n_kv * d);
+  }
+}
+
+// keys and values are read in place: slot s, head kh is row s * Hkv + kh of the cache seen as [S * Hkv, D]
+void attend_range(const float* qbuf, const float* kc, const float* vc, const int64_t* read, int64_t nk,
+                  const bool* mask, int64_t nq, const int64_t* grid, int64_t n_heads, int64_t n_kv, int64_t d,
+                  float scale, int64_t r0, int64_t r1, float* out) {
+  const int64_t group = n_heads / n_kv, nkp = (nk + L - 1) / L * L;
+  const int nd = static_cast<int>(d / L);
+  const RowFn row = pick_row(nd);
+  std::vector<float> s(nkp);
+  std::vector<int32_t> idx(nk);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t t = r / n_heads, h = r % n_heads, kh = h / group;
+    const int64_t at_grid = grid ? grid[t] : t, bi = at_grid / nq, i = at_grid % nq;
+    const bool* mi = mask ? mask + (bi * nq + i) * nk : nullptr;
+    const int64_t* slots_b = read + bi * nk;
+    int64_t n = 0;
+    for (int64_t j = 0; j < nk; ++j) {
+      if (!mi || mi[j]) idx[n++] = static_cast<int32_t>(slots_b[j] * n_kv + kh);
+    }
+    row(qbuf + (t * n_heads + h) * d, kc, vc, idx.data(), n, nd, scale, s.data(), out + t * n_heads * d + h * d);
+  }
+}
+
 at::Tensor attend_paged(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
                         at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
                         const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,

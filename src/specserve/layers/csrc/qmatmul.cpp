@@ -45,6 +45,13 @@ struct QuantRows {
   at::Tensor s;   // [M, K/32] float32
 };
 
+// The same, as pointers (what the products read).
+struct QRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
 inline void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, bool offset) {
   float amax = 0.f;
   for (int i = 0; i < BLK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
@@ -154,6 +161,43 @@ float norm_scale(const float* x, int64_t k, float eps) {
   return 1.f / std::sqrt(lane[0] / static_cast<float>(k) + eps);
 }
 
+using SiluFn = void (*)(const float*, const float*, float*);
+
+SiluFn pick_silu() {
+#ifdef SPECSERVE_X86
+  return __builtin_cpu_supports("avx512f") ? silu_mul_avx512 : silu_mul_base;
+#else
+  return silu_mul_base;
+#endif
+}
+
+// Blocks [i0, i1) (block i = row i / nb, column block i % nb) of the product's quantized input rows, made from x
+// [M, ld] by the prologue (NONE: ld >= K; NORM: (x * scale[row]) * nw; SILU_MUL: silu(x[:, :K]) * x[:, K:]).
+void quantize_range(const float* xp, int64_t ld, int64_t nb, int64_t prologue, const float* nw, const float* scale,
+                    bool offset, bool vnni, SiluFn silu, int64_t i0, int64_t i1, int8_t* qp, float* dp, float* sp) {
+  const int64_t k = nb * BLK;
+  alignas(64) float buf[BLK];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t row = i / nb, b = i % nb;
+    const float* src = xp + row * ld + b * BLK;
+    if (prologue == NORM) {
+      const float rs = scale[row];
+      for (int j = 0; j < BLK; ++j) buf[j] = (src[j] * rs) * nw[b * BLK + j];
+      src = buf;
+    } else if (prologue == SILU_MUL) {
+      silu(src, src + k, buf);
+      src = buf;
+    }
+#ifdef SPECSERVE_X86
+    if (vnni) {
+      quant_block_avx512(src, qp + i * BLK, dp + i, sp + i, offset);
+      continue;
+    }
+#endif
+    quant_block_scalar(src, qp + i * BLK, dp + i, sp + i, offset);
+  }
+}
+
 // x [M, K'] float32 contiguous -> the product's quantized input rows [M, K]: the prologue (NONE: K' = K; NORM:
 // (x * r) * w; SILU_MUL: K' = 2K) applied block by block, each block then quantized; blocks run in parallel.
 QuantRows quantize_rows(const at::Tensor& x, int64_t k, bool offset, bool vnni, int64_t prologue, const float* nw,
@@ -162,38 +206,12 @@ QuantRows quantize_rows(const at::Tensor& x, int64_t k, bool offset, bool vnni, 
   QuantRows r{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
               at::empty({m, nb}, x.options())};
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = r.q.data_ptr<int8_t>();
-  float* dp = r.d.data_ptr<float>();
-  float* sp = r.s.data_ptr<float>();
   std::vector<float> scale(prologue == NORM ? m : 0);
   for (int64_t row = 0; row < static_cast<int64_t>(scale.size()); ++row) scale[row] = norm_scale(xp + row * ld, k, eps);
-#ifdef SPECSERVE_X86
-  const bool wide = __builtin_cpu_supports("avx512f");
-  void (*silu)(const float*, const float*, float*) = wide ? silu_mul_avx512 : silu_mul_base;
-#else
-  void (*silu)(const float*, const float*, float*) = silu_mul_base;
-#endif
+  const SiluFn silu = pick_silu();
   at::parallel_for(0, m * nb, 96, [&](int64_t i0, int64_t i1) {
-    alignas(64) float buf[BLK];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t row = i / nb, b = i % nb;
-      const float* src = xp + row * ld + b * BLK;
-      if (prologue == NORM) {
-        const float rs = scale[row];
-        for (int j = 0; j < BLK; ++j) buf[j] = (src[j] * rs) * nw[b * BLK + j];
-        src = buf;
-      } else if (prologue == SILU_MUL) {
-        silu(src, src + k, buf);
-        src = buf;
-      }
-#ifdef SPECSERVE_X86
-      if (vnni) {
-        quant_block_avx512(src, qp + i * BLK, dp + i, sp + i, offset);
-        continue;
-      }
-#endif
-      quant_block_scalar(src, qp + i * BLK, dp + i, sp + i, offset);
-    }
+    quantize_range(xp, ld, nb, prologue, nw, scale.data(), offset, vnni, silu, i0, i1, r.q.data_ptr<int8_t>(),
+                   r.d.data_ptr<float>(), r.s.data_ptr<float>());
   });
   return r;
 }
@@ -210,12 +228,12 @@ struct Weights {
   int64_t nb;
 };
 
-void scalar_group(const Weights& W, int kind, int64_t g, const QuantRows& X, int64_t r0, int64_t rows,
+void scalar_group(const Weights& W, int kind, int64_t g, const QRows& X, int64_t r0, int64_t rows,
                   float* y, int64_t ldy) {
   const int64_t nb = W.nb, k = nb * BLK;
-  const int8_t* xq = X.q.data_ptr<int8_t>();
-  const float* xd = X.d.data_ptr<float>();
-  const float* xs = X.s.data_ptr<float>();
+  const int8_t* xq = X.q;
+  const float* xd = X.d;
+  const float* xs = X.s;
   for (int64_t r = r0; r < r0 + rows; ++r) {
     float acc[LANES] = {0.f};
     for (int64_t b = 0; b < nb; ++b) {
@@ -321,10 +339,10 @@ void vnni_chunk(const Weights& W, int64_t g, const int8_t* xq, const float* xd, 
 }
 
 template <int KIND>
-void vnni_group(const Weights& W, int64_t g, const QuantRows& X, int64_t m, float* y, int64_t ldy) {
-  const int8_t* xq = X.q.data_ptr<int8_t>();
-  const float* xd = X.d.data_ptr<float>();
-  const float* xs = X.s.data_ptr<float>();
+void vnni_group(const Weights& W, int64_t g, const QRows& X, int64_t m, float* y, int64_t ldy) {
+  const int8_t* xq = X.q;
+  const float* xd = X.d;
+  const float* xs = X.s;
   for (int64_t r0 = 0; r0 < m; r0 += MAXR) {
     switch (std::min<int64_t>(MAXR, m - r0)) {
       case 1: vnni_chunk<1, KIND>(W, g, xq, xd, xs, r0, y, ldy); break;
@@ -393,10 +411,10 @@ void avx2_chunk(const Weights& W, int64_t g, int h, const int8_t* xq, const floa
 }
 
 template <int KIND>
-void avx2_group(const Weights& W, int64_t g, const QuantRows& X, int64_t m, float* y, int64_t ldy) {
-  const int8_t* xq = X.q.data_ptr<int8_t>();
-  const float* xd = X.d.data_ptr<float>();
-  const float* xs = X.s.data_ptr<float>();
+void avx2_group(const Weights& W, int64_t g, const QRows& X, int64_t m, float* y, int64_t ldy) {
+  const int8_t* xq = X.q;
+  const float* xd = X.d;
+  const float* xs = X.s;
   for (int h = 0; h < 2; ++h) {
     for (int64_t r0 = 0; r0 < m; r0 += 4) {
       switch (std::min<int64_t>(4, m - r0)) {
@@ -435,45 +453,51 @@ void check_weights(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m
   }
 }
 
-// y [M, G*16] = xc [M, K] . W^T on `run`; then, per output, y = (y + bias) + residual where given (the order an
-// unfused layer adds them in). bias [N], residual [M, N] float32, N <= G*16.
+// Groups [g0, g1) of y [M, G*16] = X . W^T on `run`; then, per output, y = (y + bias) + residual where given (the
+// order an unfused layer adds them in). bias [N], residual [M, N] float32, N <= G*16.
+void groups_range(const Weights& W, int64_t kind, Path run, const QRows& X, int64_t rows, int64_t g0, int64_t g1,
+                  float* yp, int64_t n, const float* bias, const float* residual, int64_t n_out) {
+  for (int64_t g = g0; g < g1; ++g) {
+#ifdef SPECSERVE_X86
+    if (run == AVX512VNNI) {
+      if (kind == Q4) vnni_group<Q4>(W, g, X, rows, yp, n);
+      else vnni_group<Q8>(W, g, X, rows, yp, n);
+    } else if (run == AVX2) {
+      if (kind == Q4) avx2_group<Q4>(W, g, X, rows, yp, n);
+      else avx2_group<Q8>(W, g, X, rows, yp, n);
+    } else {
+      scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
+    }
+#else
+    scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
+#endif
+    if (bias == nullptr && residual == nullptr) continue;
+    const int64_t c1 = std::min<int64_t>((g + 1) * LANES, n_out);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* yr = yp + r * n;
+      for (int64_t c = g * LANES; c < c1; ++c) {
+        float v = yr[c];
+        if (bias != nullptr) v = v + bias[c];
+        if (residual != nullptr) v = residual[r * n_out + c] + v;
+        yr[c] = v;
+      }
+    }
+  }
+}
+
+// y [M, G*16] = xc [M, K] . W^T on `run`, the prologue applied to xc first, bias and residual added after.
 void product(const at::Tensor& xc, int64_t prologue, const float* nw, float eps, const at::Tensor& w,
              const at::Tensor& d, const at::Tensor& m, const at::Tensor& corr, int64_t kind, Path run,
              const float* bias, const float* residual, int64_t n_out, at::Tensor& y) {
-  const bool vnni = run == AVX512VNNI;
   const int64_t rows = xc.size(0), groups = d.size(0), nb = d.size(1), n = groups * LANES;
   // the VNNI and scalar Q8 products take activations offset to unsigned (their sums corrected by corr)
-  const QuantRows X = quantize_rows(xc, nb * BLK, kind == Q8 && run != AVX2, vnni, prologue, nw, eps);
+  const QuantRows X = quantize_rows(xc, nb * BLK, kind == Q8 && run != AVX2, run == AVX512VNNI, prologue, nw, eps);
+  const QRows xr{X.q.data_ptr<int8_t>(), X.d.data_ptr<float>(), X.s.data_ptr<float>()};
   const Weights W{w.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4 ? m.data_ptr<c10::Half>() : nullptr,
                   kind == Q8 ? corr.data_ptr<int32_t>() : nullptr, nb};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-#ifdef SPECSERVE_X86
-      if (vnni) {
-        if (kind == Q4) vnni_group<Q4>(W, g, X, rows, yp, n);
-        else vnni_group<Q8>(W, g, X, rows, yp, n);
-      } else if (run == AVX2) {
-        if (kind == Q4) avx2_group<Q4>(W, g, X, rows, yp, n);
-        else avx2_group<Q8>(W, g, X, rows, yp, n);
-      } else {
-        scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
-      }
-#else
-      scalar_group(W, static_cast<int>(kind), g, X, 0, rows, yp, n);
-#endif
-      if (bias == nullptr && residual == nullptr) continue;
-      const int64_t c1 = std::min<int64_t>((g + 1) * LANES, n_out);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* yr = yp + r * n;
-        for (int64_t c = g * LANES; c < c1; ++c) {
-          float v = yr[c];
-          if (bias != nullptr) v = v + bias[c];
-          if (residual != nullptr) v = residual[r * n_out + c] + v;
-          yr[c] = v;
-        }
-      }
-    }
+    groups_range(W, kind, run, xr, rows, g0, g1, yp, n, bias, residual, n_out);
   });
 }
 
@@ -536,6 +560,42 @@ bool path_available(int64_t path) {
 }  // namespace
 
 namespace specserve {
+
+QProj qproj(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, const at::Tensor& corr, int64_t kind,
+            int64_t n_out, const std::optional<at::Tensor>& bias) {
+  check_weights(w, d, m, corr, kind);
+  const int64_t groups = d.size(0);
+  TORCH_CHECK(n_out <= groups * LANES && n_out > groups * LANES - LANES, "qlinear: n_out ", n_out,
+              " does not match the weight's ", groups * LANES);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
+                "qlinear: bias must be contiguous float32 [n_out]");
+    b = bias->data_ptr<float>();
+  }
+  return {w.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4 ? m.data_ptr<c10::Half>() : nullptr,
+          kind == Q8 ? corr.data_ptr<int32_t>() : nullptr, kind, groups, d.size(1), n_out, b};
+}
+
+int64_t best_path() { return resolve(AUTO); }
+
+void norm_scales(const float* x, int64_t ld, int64_t k, float eps, int64_t r0, int64_t r1, float* out) {
+  for (int64_t r = r0; r < r1; ++r) out[r] = norm_scale(x + r * ld, k, eps);
+}
+
+void quantize_blocks(const float* x, int64_t ld, const QProj& p, int64_t path, int64_t prologue, const float* nw,
+                     const float* scales, int64_t i0, int64_t i1, int8_t* q, float* d, float* s) {
+  quantize_range(x, ld, p.nb, prologue, nw, scales, p.kind == Q8 && path != AVX2, path == AVX512VNNI, pick_silu(),
+                 i0, i1, q, d, s);
+}
+
+void product_groups(const QProj& p, int64_t path, const int8_t* q, const float* d, const float* s, int64_t rows,
+                    int64_t g0, int64_t g1, float* y, const float* residual) {
+  const Weights W{p.w, p.d, p.m, p.corr, p.nb};
+  groups_range(W, p.kind, static_cast<Path>(path), QRows{q, d, s}, rows, g0, g1, y, p.groups * LANES, p.bias,
+               residual, p.n_out);
+}
+
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                    const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
                    const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
