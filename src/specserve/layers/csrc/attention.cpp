@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
+#include "vec16.h"
 
 #include <cstdint>
 #include <cstring>
@@ -24,9 +25,9 @@
 namespace {
 
 constexpr int L = 16;
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+using specserve::exp_fixed;
+using specserve::v16;
+using specserve::v16u;
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
@@ -42,23 +43,6 @@ SPECSERVE_INLINE float hsum(v16 a) {
   const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
   const float e0 = c[0] + c[2], e1 = c[1] + c[3];
   return e0 + e1;
-}
-
-// exp(x) for -87 <= x <= 0, lane-wise float operations only (no libm, no compares), so every build rounds alike:
-// x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n through the exponent bits.
-SPECSERVE_INLINE v16 exp_fixed(v16 x) {
-  const v16 t = x * 1.44269504088896341f + 12582912.f;  // round to nearest through the 1.5*2^23 bias
-  const v16 n = t - 12582912.f;
-  const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  return p * (v16)bits;  // vector casts reinterpret the bits
 }
 
 // One query row over the n keys it admits: q [nd * 16], keys/values [*, nd * 16], idx [n] their rows (in key
@@ -198,7 +182,8 @@ at::Tensor attend_paged_impl(const at::Tensor& qkv, const at::Tensor& cos, const
                              at::Tensor vc, const at::Tensor& write, const at::Tensor& read,
                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& grid,
                              int64_t n_heads, int64_t n_kv, double scale) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat, "attend_paged: qkv must be float32 [T, (Hq + 2 Hkv) D]");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat,
+              "attend_paged: qkv must be float32 [T, (Hq + 2 Hkv) D]");
   const specserve::PagedCall c = specserve::check_paged(qkv.size(0), qkv.size(1), cos, sin, kc, vc, write, read, mask,
                                                         grid, n_heads, n_kv);
   const at::Tensor xc = qkv.contiguous();

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
+#include "vec16.h"
 #include <c10/util/Half.h>
 
 #include <cmath>
@@ -114,33 +115,19 @@ bool has_avx2() { return false; }
 // norm or activation calls: NONE x itself; NORM RMSNorm(x) * w; SILU_MUL silu(x[:, :K]) * x[:, K:].
 enum Prologue : int64_t { NONE = 0, NORM = 1, SILU_MUL = 2 };
 
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v16fu __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-// silu(a) * b on 32 elements, silu(a) = a / (1 + exp(-a)), exp by the fixed polynomial attention uses (lane-wise
-// float operations only, the same bits in every build): exp(t) = 2^n exp(r), t clamped to [-87, 88].
+// silu(a) * b on 32 elements, silu(a) = a / (1 + exp(-a)), exp by the fixed polynomial attention uses (the same bits
+// in every build), its argument clamped to [-87, 88].
 template <int BUILD>
 __attribute__((always_inline)) inline void silu_mul_body(const float* a, const float* b, float* y) {
+  using specserve::v16;
+  using specserve::v16u;
   for (int h = 0; h < 2; ++h) {
-    const v16f x = *reinterpret_cast<const v16fu*>(a + 16 * h);
-    v16f t = -x;
-    t = t < -87.f ? v16f{} - 87.f : t;
-    t = t > 88.f ? v16f{} + 88.f : t;
-    const v16f u = t * 1.44269504088896341f + 12582912.f;  // round to nearest through the 1.5*2^23 bias
-    const v16f n = u - 12582912.f;
-    const v16f r = (t - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16f p = v16f{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    const v16f e = p * (v16f)bits;
-    *reinterpret_cast<v16fu*>(y + 16 * h) = (x / (1.f + e)) * *reinterpret_cast<const v16fu*>(b + 16 * h);
+    const v16 x = *reinterpret_cast<const v16u*>(a + 16 * h);
+    v16 t = -x;
+    t = t < -87.f ? v16{} - 87.f : t;
+    t = t > 88.f ? v16{} + 88.f : t;
+    const v16 bv = *reinterpret_cast<const v16u*>(b + 16 * h);
+    *reinterpret_cast<v16u*>(y + 16 * h) = (x / (1.f + specserve::exp_fixed(t))) * bv;
   }
 }
 #ifdef SPECSERVE_X86
@@ -517,9 +504,9 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 // One projection of a decoder layer in one call: the prologue (none, RMSNorm, SiLU-mul) makes the input rows from
 // x, the product runs on the best path, and the bias and the residual are added -> [M, n_out] float32.
 at::Tensor qlinear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
-                   const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
-                   const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
-                   const std::optional<at::Tensor>& residual) {
+                        const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
+                        const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual) {
   check_weights(w, d, m, corr, kind);
   const int64_t k = d.size(1) * BLK, n = d.size(0) * LANES;
   TORCH_CHECK(n_out <= n && n_out > n - LANES, "qlinear: n_out ", n_out, " does not match the weight's ", n);
