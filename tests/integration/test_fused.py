@@ -89,3 +89,17 @@ def test_unquantized_and_grad_forwards_stay_unfused(tmp_path: Path) -> None:
 
     model, _, _ = load_model(path, torch.device("cpu"), torch.float32)
     assert isinstance(model, CausalLM) and not model.runs_fused()
+
+
+def test_a_head_dimension_the_row_kernel_does_not_take_runs_the_layers_unstacked(tmp_path: Path) -> None:
+    """Head dimension 8: each layer still runs fused, its attention unfused; the stack is not used, and
+    speculation stays exact."""
+    path = make_checkpoint(tmp_path / "m", "LlamaForCausalLM", seed=5, head_dim=8, num_attention_heads=8,
+                           num_key_value_heads=4)
+    llm = LLM(path, device="cpu", dtype="float32", quantization="int8", enforce_eager=True)
+    assert llm.model.runs_fused()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = llm.generate(["x = [1, 2, 3]\nx = [1, 2,"], params)[0].token_ids
+    spec = LLM(path, device="cpu", dtype="float32", quantization="int8", enforce_eager=True,
+               speculative=SpeculativeConfig.resolve("NGRAM"))
+    assert spec.generate(["x = [1, 2, 3]\nx = [1, 2,"], params)[0].token_ids == plain

@@ -119,6 +119,12 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def paged_attention_fuses(self) -> bool:
+        """Whether attention on the paged cache runs as one kernel call (`attend_paged`): no per-head q/k norms, a
+        head dimension the row kernel takes (a multiple of 16, at most 256)."""
+        d = self.self_attn.head_dim
+        return self.self_attn.q_norm is None and d % 16 == 0 and d <= 256
+
     def fused_plan(self) -> FusedLayer | None:
         """The layer as five kernel calls (`models/fused.py`) where its projections are int4/int8 on the kernel;
         read once, again only when the projections are swapped (`--quantization`)."""
@@ -128,7 +134,8 @@ class DecoderLayer(nn.Module):
             mlp = self.mlp
             plan = FusedLayer.build((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
                                     (self.input_layernorm, self.post_attention_layernorm),
-                                    (attn.n_heads, attn.n_kv, attn.scale), attn.q_norm is None, attn.attend)
+                                    (attn.n_heads, attn.n_kv, attn.scale), self.paged_attention_fuses(),
+                                    attn.attend)
             self._fused = (attn.qkv_proj, plan)
         return plan
 
