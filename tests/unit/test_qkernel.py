@@ -14,6 +14,7 @@ from specserve.layers.attention import attend, attend_paged
 from specserve.layers.norm import RMSNorm
 from specserve.layers.quant import NONE, NORM, SILU_MUL, QuantLinear, quantize_q4
 from specserve.layers.rope import RotaryEmbedding, apply_rope
+from specserve.models.fused import Projection
 
 WIDTHS = (1, 2, 5, 8, 9, 16, 33, 64)
 needs_kernel = pytest.mark.skipif(not qk.load_kernel(), reason="no C++ compiler: the PyTorch fallback only")
@@ -165,28 +166,29 @@ def test_qlinear_is_the_unfused_layer_steps(kind: str) -> None:
         *quantize_q4(w), torch.randn(48))
     norm = RMSNorm(64, 1e-5)
     norm.weight.data = torch.rand(64) + 0.5
+    fused, by = Projection.of(lin), (norm.weight.detach(), norm.eps)
     x, res = torch.randn(7, 64) * 3, torch.randn(7, 48)
-    assert torch.equal(lin.fused(x, residual=res), res + lin(x))
+    assert torch.equal(fused(x, residual=res), res + lin(x))
     normed = torch.nn.functional.rms_norm(x, (64,), eps=1e-5) * norm.weight
-    assert torch.allclose(lin.fused(x, NORM, norm), lin(normed), rtol=1e-3, atol=1e-3)
+    assert torch.allclose(fused(x, NORM, by), lin(normed), rtol=1e-3, atol=1e-3)
     gu = torch.randn(5, 128)
     act = (F.silu(gu[:, :64]) * gu[:, 64:]).contiguous()
-    assert torch.allclose(lin.fused(gu, SILU_MUL), lin(act), rtol=1e-3, atol=1e-3)
+    assert torch.allclose(fused(gu, SILU_MUL), lin(act), rtol=1e-3, atol=1e-3)
     with pytest.raises(RuntimeError, match="silu-mul takes x of 2K columns"):
-        lin.fused(x, SILU_MUL)
+        fused(x, SILU_MUL)
 
 
 @needs_kernel
 @pytest.mark.parametrize("prologue", [NONE, NORM, SILU_MUL])
 def test_qlinear_rows_are_invariant_to_the_width(prologue: int) -> None:
     torch.manual_seed(10)
-    lin = QuantLinear.from_int4(*quantize_q4(torch.randn(32, 64) * 0.1), None)
-    norm = RMSNorm(64, 1e-6)
+    fused = Projection.of(QuantLinear.from_int4(*quantize_q4(torch.randn(32, 64) * 0.1), None))
+    norm = (torch.rand(64) + 0.5, 1e-6)
     x = torch.randn(max(WIDTHS), 128 if prologue == SILU_MUL else 64)
     res = torch.randn(max(WIDTHS), 32)
-    alone = torch.cat([lin.fused(x[i:i + 1], prologue, norm, res[i:i + 1]) for i in range(x.shape[0])])
+    alone = torch.cat([fused(x[i:i + 1], prologue, norm, res[i:i + 1]) for i in range(x.shape[0])])
     for width in WIDTHS:
-        assert torch.equal(lin.fused(x[:width], prologue, norm, res[:width]), alone[:width]), width
+        assert torch.equal(fused(x[:width], prologue, norm, res[:width]), alone[:width]), width
 
 
 @needs_kernel

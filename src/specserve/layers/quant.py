@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from specserve.layers import qkernel as qk
-from specserve.layers.norm import RMSNorm
 
 GROUP = qk.BLOCK
-NONE, NORM, SILU_MUL = 0, 1, 2  # `QuantLinear.fused` prologues (csrc/qmatmul.cpp)
+NONE, NORM, SILU_MUL = 0, 1, 2  # `specserve_q::qlinear` prologues (csrc/qmatmul.cpp, models/fused.py)
 
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,16 +85,6 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def fused(self, x: torch.Tensor, prologue: int = NONE, norm: RMSNorm | None = None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """One kernel call (`specserve_q::qlinear`): the input rows made from x [M, K'] by `prologue` (NONE: x;
-        NORM: `norm`(x), as the kernel computes RMSNorm; SILU_MUL: silu(x[:, :K]) * x[:, K:]), multiplied, the
-        bias and then `residual` [M, N] added -> [M, N] float32. x and residual float32; the kernel loaded."""
-        w = None if norm is None else norm.weight
-        eps = 0.0 if norm is None else norm.eps
-        return torch.ops.specserve_q.qlinear(x, self.w, self.d, self.m, self.corr, self.code, self.out_features,
-                                             prologue, w, eps, self.bias, residual)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, kernel={self.kernel}"

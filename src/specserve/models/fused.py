@@ -61,7 +61,7 @@ class FusedLayer:
     attn_norm: tuple[torch.Tensor, float]
     mlp_norm: tuple[torch.Tensor, float]
     heads: tuple[int, int, float]  # Hq, Hkv, softmax scale
-    paged: bool  # whether attention may run on the paged cache in one call (no q/k norms)
+    paged: bool  # whether attention may run on the paged cache in one call (`DecoderLayer.paged_attention_fuses`)
     attend: Attend
 
     @staticmethod
