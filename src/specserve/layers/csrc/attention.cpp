@@ -15,6 +15,7 @@
 #include "kernels.h"
 #include "vec16.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -85,6 +86,102 @@ SPECSERVE_INLINE void row_body(const float* qi, const float* kb, const float* vb
   }
   const v16 inv = splat(1.f / hsum(tot));
   for (int c = 0; c < nd; ++c) store(oi + c * L, o[c] * inv);
+}
+
+// G query rows of one KV head (a GQA group) over the same n keys: per row exactly `row_body`'s float operations in
+// its order, each key's and value's vectors loaded once for all G rows. Rows g at q0 + g D, out at o0 + g D; their
+// scores at s + g * sstride (sstride >= n rounded up to 16).
+template <int ND, int G>
+SPECSERVE_INLINE void group_body(const float* q0, const float* kb, const float* vb, const int32_t* idx, int64_t n,
+                                 float sc, float* s, int64_t sstride, float* o0) {
+  constexpr int D = ND * L;
+  if (n == 0) {
+    for (int c = 0; c < G * D; ++c) o0[c] = 0.f;
+    return;
+  }
+  v16 qv[G][ND];
+  float mx[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < ND; ++c) qv[g][c] = load(q0 + g * D + c * L);
+    mx[g] = -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const float* kj = kb + static_cast<int64_t>(idx[k]) * D;
+    v16 kk[ND];
+    for (int c = 0; c < ND; ++c) kk[c] = load(kj + c * L);
+    for (int g = 0; g < G; ++g) {
+      v16 a = qv[g][0] * kk[0];
+      for (int c = 1; c < ND; ++c) a += qv[g][c] * kk[c];
+      const float sg = hsum(a) * sc;
+      s[g * sstride + k] = sg;
+      mx[g] = sg > mx[g] ? sg : mx[g];
+    }
+  }
+  const int64_t np = (n + L - 1) / L * L;
+  v16 tot[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * sstride;
+    for (int64_t k = 0; k < n; ++k) {
+      const float x = sg[k] - mx[g];
+      sg[k] = x < -87.f ? -87.f : x;
+    }
+    for (int64_t k = n; k < np; ++k) sg[k] = 0.f;
+    for (int64_t k0 = 0; k0 < np; k0 += L) store(sg + k0, exp_fixed(load(sg + k0)));
+    for (int64_t k = n; k < np; ++k) sg[k] = 0.f;
+    tot[g] = v16{};
+    for (int64_t k0 = 0; k0 < np; k0 += L) tot[g] += load(sg + k0);
+  }
+  v16 o[G][ND];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < ND; ++c) o[g][c] = v16{};
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const float* vj = vb + static_cast<int64_t>(idx[k]) * D;
+    v16 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = load(vj + c * L);
+    for (int g = 0; g < G; ++g) {
+      const v16 p = splat(s[g * sstride + k]);
+      for (int c = 0; c < ND; ++c) o[g][c] += p * vv[c];
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const v16 inv = splat(1.f / hsum(tot[g]));
+    for (int c = 0; c < ND; ++c) store(o0 + g * D + c * L, o[g][c] * inv);
+  }
+}
+
+using GroupFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, float, float*, int64_t,
+                         float*);
+
+#define SPECSERVE_GROUP_FNS(ND, G)                                                                             \
+  __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) void group_avx512_##ND##_##G(                  \
+      const float* q0, const float* kb, const float* vb, const int32_t* idx, int64_t n, float sc, float* s,     \
+      int64_t sstride, float* o0) {                                                                            \
+    group_body<ND, G>(q0, kb, vb, idx, n, sc, s, sstride, o0);                                                 \
+  }                                                                                                            \
+  void group_base_##ND##_##G(const float* q0, const float* kb, const float* vb, const int32_t* idx, int64_t n, \
+                             float sc, float* s, int64_t sstride, float* o0) {                                 \
+    group_body<ND, G>(q0, kb, vb, idx, n, sc, s, sstride, o0);                                                 \
+  }
+SPECSERVE_GROUP_FNS(4, 2)
+SPECSERVE_GROUP_FNS(4, 3)
+SPECSERVE_GROUP_FNS(4, 4)
+SPECSERVE_GROUP_FNS(8, 2)
+SPECSERVE_GROUP_FNS(8, 3)
+SPECSERVE_GROUP_FNS(8, 4)
+#undef SPECSERVE_GROUP_FNS
+
+// The grouped body for nd chunks of 16 and a group of g rows, or null (run rows one by one).
+GroupFn pick_group(int nd, int64_t g) {
+  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (nd == 4 && g == 2) return wide ? group_avx512_4_2 : group_base_4_2;
+  if (nd == 4 && g == 3) return wide ? group_avx512_4_3 : group_base_4_3;
+  if (nd == 4 && g == 4) return wide ? group_avx512_4_4 : group_base_4_4;
+  if (nd == 8 && g == 2) return wide ? group_avx512_8_2 : group_base_8_2;
+  if (nd == 8 && g == 3) return wide ? group_avx512_8_3 : group_base_8_3;
+  if (nd == 8 && g == 4) return wide ? group_avx512_8_4 : group_base_8_4;
+  return nullptr;
 }
 
 // The same body built for AVX512 and for the baseline; the generic vectors give the same lane-wise float
@@ -285,18 +382,31 @@ void attend_range(const float* qbuf, const float* kc, const float* vc, const int
   const int64_t group = n_heads / n_kv, nkp = (nk + L - 1) / L * L;
   const int nd = static_cast<int>(d / L);
   const RowFn row = pick_row(nd);
-  std::vector<float> s(nkp);
+  const GroupFn grouped = pick_group(nd, group);  // a KV head's query rows together, where built for its shape
+  std::vector<float> s(nkp * std::max<int64_t>(group, 1));
   std::vector<int32_t> idx(nk);
-  for (int64_t r = r0; r < r1; ++r) {
+  int64_t have_t = -1, have_kh = -1, n = 0;  // the token and KV head whose admitted slots `idx` holds
+  for (int64_t r = r0; r < r1;) {
     const int64_t t = r / n_heads, h = r % n_heads, kh = h / group;
-    const int64_t at_grid = grid ? grid[t] : t, bi = at_grid / nq, i = at_grid % nq;
-    const bool* mi = mask ? mask + (bi * nq + i) * nk : nullptr;
-    const int64_t* slots_b = read + bi * nk;
-    int64_t n = 0;
-    for (int64_t j = 0; j < nk; ++j) {
-      if (!mi || mi[j]) idx[n++] = static_cast<int32_t>(slots_b[j] * n_kv + kh);
+    if (t != have_t || kh != have_kh) {
+      const int64_t at_grid = grid ? grid[t] : t, bi = at_grid / nq, i = at_grid % nq;
+      const bool* mi = mask ? mask + (bi * nq + i) * nk : nullptr;
+      const int64_t* slots_b = read + bi * nk;
+      n = 0;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!mi || mi[j]) idx[n++] = static_cast<int32_t>(slots_b[j] * n_kv + kh);
+      }
+      have_t = t;
+      have_kh = kh;
     }
-    row(qbuf + (t * n_heads + h) * d, kc, vc, idx.data(), n, nd, scale, s.data(), out + t * n_heads * d + h * d);
+    const int64_t at = (t * n_heads + h) * d;
+    if (grouped != nullptr && h % group == 0 && r + group <= r1) {
+      grouped(qbuf + at, kc, vc, idx.data(), n, scale, s.data(), nkp, out + at);
+      r += group;
+    } else {
+      row(qbuf + at, kc, vc, idx.data(), n, nd, scale, s.data(), out + at);
+      r += 1;
+    }
   }
 }
 
