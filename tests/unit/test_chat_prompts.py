@@ -61,3 +61,17 @@ def test_coding10_chat_asks_for_the_ten_seed_tasks_and_is_never_trained_on() -> 
     assert default_new_tokens("coding10-chat") == 64
     held = set(evaluation_texts())
     assert all(t.messages[0]["content"] in held for t in tasks if t.messages)
+
+
+def test_the_code_editing_suite_rewrites_code_from_the_prompt_and_is_reproducible() -> None:
+    """`code-edit`: fix and edit tasks in turn from the held-out packages, each showing the code its answer rewrites;
+    built again, it is the committed file; a kind that does not exist is an error naming --kinds."""
+    import pytest
+
+    edit = load_suite("code-edit")
+    assert [t.kind for t in edit] == ["fix", "edit"] * 8 and default_new_tokens("code-edit") == 128
+    assert all("```python\n" in t.messages[0]["content"] for t in edit if t.messages)
+    rebuilt = build_tasks("heldout", 16, seed=1, kinds=("fix", "edit"))
+    assert [(t.name, t.messages) for t in edit] == [(t["name"], t["messages"]) for t in rebuilt]
+    with pytest.raises(ValueError, match="--kinds"):
+        build_tasks("heldout", 2, kinds=("rewrite",))

@@ -19,7 +19,7 @@ def add_acceptance_parser(subparsers: Any) -> None:
     add_model_args(p)
     add_speculative_args(p)
     p.add_argument("--suite", default="heldout-code",
-                   help="coding10 | coding10-chat | heldout-code | heldout-pip | chat-coding | FILE.jsonl")
+                   help="coding10 | coding10-chat | heldout-code | heldout-pip | chat-coding | code-edit | FILE.jsonl")
     p.add_argument("--num-tasks", type=int, default=None, help="use the first N tasks of the suite")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="default 32 for the held-out suites (short horizon), 128 otherwise")

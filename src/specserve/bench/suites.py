@@ -11,6 +11,9 @@
 - `chat-coding`: chat tasks for a chat target (SmolLM2-Instruct), built from functions of the same held-out
   packages: write / explain / fix / complete a function, and an agent turn with a file as a tool result
   (`train/chat_prompts.py`, whose training split is the standard library's); the task's kind is its `kind`.
+- `code-edit`: chat tasks whose answer rewrites code given in the prompt (fix a flipped operator; rewrite with
+  type hints, clearer names, comments or a docstring example), from the same held-out packages
+  (`train/chat_prompts.py --kinds fix,edit`): where lookup drafters should pay.
 - a JSONL file: one task a line with `name` and `prompt` (or chat `messages`).
 """
 
@@ -98,8 +101,9 @@ def load_jsonl_tasks(path: Path) -> list[Task]:
         if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
             raise ValueError(f"{path}:{lineno}: a task needs `prompt` (or chat `messages`), and may have a `name`")
         kind = obj.get("kind")
-        if kind is not None and kind not in CUT_KINDS + CHAT_KINDS:
-            raise ValueError(f"{path}:{lineno}: kind {kind!r} is not one of {', '.join(CUT_KINDS + CHAT_KINDS)}")
+        if kind is not None and kind not in CUT_KINDS + CHAT_KINDS + ("edit",):
+            raise ValueError(f"{path}:{lineno}: kind {kind!r} is not one of "
+                             f"{', '.join(CUT_KINDS + CHAT_KINDS + ('edit',))}")
         # unnamed tasks (a prompts file of `specserve.train.prompts`) are named by their line
         tasks.append(Task(str(obj.get("name", f"{path.stem}:{lineno}")), obj.get("prompt"), obj.get("messages"),
                           kind))
@@ -111,13 +115,14 @@ def load_jsonl_tasks(path: Path) -> list[Task]:
 #: kinds of chat coding task (`train/chat_prompts.py`)
 CHAT_KINDS = ("write", "explain", "fix", "complete", "tool")
 HELDOUT = {"heldout-code": "heldout_code.jsonl", "heldout-pip": "heldout_pip.jsonl",
-           "chat-coding": "chat_coding.jsonl"}
+           "chat-coding": "chat_coding.jsonl", "code-edit": "code_edit.jsonl"}
 
 
 def default_new_tokens(suite: str) -> int:
     """The horizon a suite is measured at: short for held-out code (a continuation, before a small target
     drifts into loops) and for chat coding answers (their opening, before they loop), 128 otherwise."""
-    return 64 if suite in ("chat-coding", "coding10-chat") else 32 if suite in HELDOUT else 128
+    return 64 if suite in ("chat-coding", "coding10-chat") else 128 if suite == "code-edit" else (
+        32 if suite in HELDOUT else 128)
 
 
 def load_suite(name_or_path: str) -> list[Task]:

@@ -3,6 +3,8 @@
     python -m specserve.train.chat_prompts --split train --count 1200 --out runs/smollm2/chat_prompts.jsonl
     python -m specserve.train.chat_prompts --split heldout --count 30 \\
         --out src/specserve/assets/suites/chat_coding.jsonl
+    python -m specserve.train.chat_prompts --split heldout --count 16 --kinds fix,edit --seed 1 \\
+        --out src/specserve/assets/suites/code_edit.jsonl
 
 Kinds, one function each:
 - `write`: the signature and the docstring's first sentence, "write it";
@@ -11,7 +13,9 @@ Kinds, one function each:
 - `complete`: the header, the docstring and the first half of the body, "complete it";
 - `tool`: an agent turn: the user asks to open a file and change the function, the assistant's `read_file` call
   (SmolLM2's `<tool_call>[...]</tool_call>` format, as `serve --tool-call-parser smollm2` writes it) and the file as
-  the tool's result.
+  the tool's result;
+- `edit` (not among the default kinds): the function's code, "rewrite it with type hints / clearer names / ...,
+  the whole function": answers that copy most of the prompt, the code-editing suite (`--kinds fix,edit`).
 
 `train` takes functions from the standard library's training split (`corpus.is_validation` false, tests left
 out); `val` from its validation split (other files: for choosing a checkpoint); `heldout` from the files of the
@@ -42,6 +46,8 @@ MIN_LINES, MAX_LINES, MAX_CHARS = 5, 30, 1400
 #: one flip per `fix` task: (pattern, replacement), tried in order
 FLIPS = ((r" == ", " != "), (r" < ", " <= "), (r" > ", " >= "), (r" \+ 1", " - 1"), (r" and ", " or "),
          (r"\bTrue\b", "False"), (r" is None", " is not None"), (r" not in ", " in "))
+EDIT_ASKS = ("with type hints on its parameters and return value", "with clearer names for its local variables",
+             "with a comment before each step", "with a short usage example in its docstring")
 TOOL_ASKS = ("add type hints to `{name}`", "add a docstring example to `{name}`", "make `{name}` handle empty input",
              "rename the local variables of `{name}` to clearer names", "simplify `{name}`")
 
@@ -100,6 +106,9 @@ def task_of(fn: Function, kind: str, rng: random.Random) -> dict[str, Any] | Non
         if broken is None:
             return None
         text = "This function does not do what its docstring says. Find the bug and fix it:\n\n" + fence.format(broken)
+    elif kind == "edit":
+        ask = rng.choice(EDIT_ASKS)
+        text = f"Rewrite this Python function {ask}. Reply with the whole function:\n\n" + fence.format(fn.code)
     elif kind == "complete":
         lines = fn.code.splitlines(keepends=True)
         keep = max(2, len(lines) // 2)
@@ -137,8 +146,10 @@ def source_files(split: str) -> list[tuple[Path, str]]:
     return files
 
 
-def build_tasks(split: str, count: int, seed: int = 0) -> list[dict[str, Any]]:
+def build_tasks(split: str, count: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[dict[str, Any]]:
     """`count` tasks, the kinds in turn, at most one function per file per kind, reproducibly chosen."""
+    if not kinds or any(k not in (*KINDS, "edit") for k in kinds):
+        raise ValueError(f"--kinds must name some of {', '.join((*KINDS, 'edit'))}, got {','.join(kinds)!r}")
     if split not in SPLITS:
         raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     if count < 1:
@@ -156,7 +167,7 @@ def build_tasks(split: str, count: int, seed: int = 0) -> list[dict[str, Any]]:
         for fns in per_file:
             if len(tasks) == count:
                 break
-            kind = KINDS[len(tasks) % len(KINDS)]
+            kind = kinds[len(tasks) % len(kinds)]
             if round_ < len(fns) and (task := task_of(fns[round_], kind, rng)) is not None:
                 tasks.append(task)
         round_ += 1
@@ -171,12 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="task kinds in turn (default: the chat kinds; the "
+                    "code-editing suite takes fix,edit)")
     a = ap.parse_args(argv)
-    tasks = build_tasks(a.split, a.count, a.seed)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    tasks = build_tasks(a.split, a.count, a.seed, kinds)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    kinds = {k: sum(t["kind"] == k for t in tasks) for k in KINDS}
-    print(f"wrote {len(tasks)} {a.split} tasks to {a.out}: {kinds}")
+    counts = {k: sum(t["kind"] == k for t in tasks) for k in kinds}
+    print(f"wrote {len(tasks)} {a.split} tasks to {a.out}: {counts}")
     return 0
 
 
