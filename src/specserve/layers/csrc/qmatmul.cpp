@@ -38,8 +38,9 @@ constexpr int MAXR = 8;   // rows per chunk
 enum Kind : int64_t { Q4 = 4, Q8 = 8 };
 enum Path : int64_t { AUTO = 0, SCALAR = 1, AVX512VNNI = 2, AVX2 = 3 };
 
-// Per row and block: int8 values (Q8 weights take them offset by 128, as unsigned bytes), the scale and, for the
-// Q4_1 zero-point term, the block's sum (xd * sum(q)).
+// Per row and block: int8 values (for the scalar path's Q8 products offset by 128, as unsigned bytes), the scale
+// and the block's sum: for Q4 weights xd * sum(q) (the zero-point term), for Q8 sum(q) itself (exact in a float,
+// |sum| <= 4064: the VNNI path's correction for its unsigned weights).
 struct QuantRows {
   at::Tensor q;   // [M, K] int8 (or uint8 holding q + 128)
   at::Tensor d;   // [M, K/32] float32
@@ -53,7 +54,8 @@ struct QRows {
   const float* s;
 };
 
-inline void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, bool offset) {
+inline void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, bool offset,
+                               bool raw_sum) {
   float amax = 0.f;
   for (int i = 0; i < BLK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
   const float xd = amax / 127.f;
@@ -66,12 +68,12 @@ inline void quant_block_scalar(const float* x, int8_t* q, float* d, float* s, bo
     q[i] = static_cast<int8_t>(offset ? (v ^ 0x80) : v);  // v ^ 0x80 as a byte is v + 128
   }
   *d = xd;
-  *s = xd * static_cast<float>(sum);
+  *s = raw_sum ? static_cast<float>(sum) : xd * static_cast<float>(sum);
 }
 
 #ifdef SPECSERVE_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-inline void quant_block_avx512(const float* x, int8_t* q, float* d, float* s, bool offset) {
+inline void quant_block_avx512(const float* x, int8_t* q, float* d, float* s, bool offset, bool raw_sum) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float xd = amax / 127.f;
@@ -93,7 +95,7 @@ inline void quant_block_avx512(const float* x, int8_t* q, float* d, float* s, bo
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   *d = xd;
-  *s = xd * static_cast<float>(sum);
+  *s = raw_sum ? static_cast<float>(sum) : xd * static_cast<float>(sum);
 }
 
 bool has_avx512vnni() {
@@ -161,7 +163,8 @@ SiluFn pick_silu() {
 // Blocks [i0, i1) (block i = row i / nb, column block i % nb) of the product's quantized input rows, made from x
 // [M, ld] by the prologue (NONE: ld >= K; NORM: (x * scale[row]) * nw; SILU_MUL: silu(x[:, :K]) * x[:, K:]).
 void quantize_range(const float* xp, int64_t ld, int64_t nb, int64_t prologue, const float* nw, const float* scale,
-                    bool offset, bool vnni, SiluFn silu, int64_t i0, int64_t i1, int8_t* qp, float* dp, float* sp) {
+                    bool offset, bool raw_sum, bool vnni, SiluFn silu, int64_t i0, int64_t i1, int8_t* qp, float* dp,
+                    float* sp) {
   const int64_t k = nb * BLK;
   alignas(64) float buf[BLK];
   for (int64_t i = i0; i < i1; ++i) {
@@ -177,18 +180,18 @@ void quantize_range(const float* xp, int64_t ld, int64_t nb, int64_t prologue, c
     }
 #ifdef SPECSERVE_X86
     if (vnni) {
-      quant_block_avx512(src, qp + i * BLK, dp + i, sp + i, offset);
+      quant_block_avx512(src, qp + i * BLK, dp + i, sp + i, offset, raw_sum);
       continue;
     }
 #endif
-    quant_block_scalar(src, qp + i * BLK, dp + i, sp + i, offset);
+    quant_block_scalar(src, qp + i * BLK, dp + i, sp + i, offset, raw_sum);
   }
 }
 
 // x [M, K'] float32 contiguous -> the product's quantized input rows [M, K]: the prologue (NONE: K' = K; NORM:
 // (x * r) * w; SILU_MUL: K' = 2K) applied block by block, each block then quantized; blocks run in parallel.
-QuantRows quantize_rows(const at::Tensor& x, int64_t k, bool offset, bool vnni, int64_t prologue, const float* nw,
-                        float eps) {
+QuantRows quantize_rows(const at::Tensor& x, int64_t k, bool offset, bool raw_sum, bool vnni, int64_t prologue,
+                        const float* nw, float eps) {
   const int64_t m = x.size(0), ld = x.size(1), nb = k / BLK;
   QuantRows r{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
               at::empty({m, nb}, x.options())};
@@ -197,7 +200,7 @@ QuantRows quantize_rows(const at::Tensor& x, int64_t k, bool offset, bool vnni, 
   for (int64_t row = 0; row < static_cast<int64_t>(scale.size()); ++row) scale[row] = norm_scale(xp + row * ld, k, eps);
   const SiluFn silu = pick_silu();
   at::parallel_for(0, m * nb, 96, [&](int64_t i0, int64_t i1) {
-    quantize_range(xp, ld, nb, prologue, nw, scale.data(), offset, vnni, silu, i0, i1, r.q.data_ptr<int8_t>(),
+    quantize_range(xp, ld, nb, prologue, nw, scale.data(), offset, raw_sum, vnni, silu, i0, i1, r.q.data_ptr<int8_t>(),
                    r.d.data_ptr<float>(), r.s.data_ptr<float>());
   });
   return r;
@@ -288,35 +291,27 @@ void vnni_chunk(const Weights& W, int64_t g, const int8_t* xq, const float* xd, 
         w[2 * j] = _mm512_and_si512(v, low);
         w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
-    } else {
+    } else {  // w + 128 as unsigned bytes (w ^ 0x80), so the signed activations broadcast from memory as Q4's do
       const uint8_t* wb = W.w + gb * 512;
-      for (int p = 0; p < 8; ++p) w[p] = _mm512_loadu_si512(wb + p * 64);
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int p = 0; p < 8; ++p) w[p] = _mm512_xor_si512(_mm512_loadu_si512(wb + p * 64), flip);
     }
     const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.d + gb * LANES)));
     __m512 wm = _mm512_setzero_ps();
-    __m512i corr = _mm512_setzero_si512();
-    if (KIND == Q4) {
-      wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.m + gb * LANES)));
-    } else {
-      corr = _mm512_loadu_si512(W.corr + gb * LANES);
-    }
+    if (KIND == Q4) wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.m + gb * LANES)));
     for (int r = 0; r < R; ++r) {
       const int32_t* xb = reinterpret_cast<const int32_t*>(xq + (r0 + r) * k + b * BLK);
       // two chains of four dot products, so that rows overlap less on the instruction's latency
       __m512i s = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int p = 0; p < 8; p += 2) {
-        // Q4: unsigned weights (0..15) times signed activations; Q8: activations + 128 (unsigned) times weights
-        if (KIND == Q4) {
-          dpbusd_bcast(s, w[p], xb + p);
-          dpbusd_bcast(s1, w[p + 1], xb + p + 1);
-        } else {
-          s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xb[p]), w[p]);
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(xb[p + 1]), w[p + 1]);
-        }
+        // unsigned weights (Q4: 0..15; Q8: w + 128, 0..255) times signed activations, 4 bytes a lane
+        dpbusd_bcast(s, w[p], xb + p);
+        dpbusd_bcast(s1, w[p + 1], xb + p + 1);
       }
       s = _mm512_add_epi32(s, s1);
-      if (KIND == Q8) s = _mm512_sub_epi32(s, corr);
       const int64_t rb = (r0 + r) * nb + b;
+      // Q8: sum((w + 128) x) - 128 sum(x), the block's exact integer sum as every path computes it
+      if (KIND == Q8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * static_cast<int32_t>(xs[rb])));
       const __m512 tsc = _mm512_mul_ps(wd, _mm512_set1_ps(xd[rb]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), tsc, acc[r]);
       if (KIND == Q4) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[rb]), acc[r]);
@@ -477,8 +472,9 @@ void product(const at::Tensor& xc, int64_t prologue, const float* nw, float eps,
              const at::Tensor& d, const at::Tensor& m, const at::Tensor& corr, int64_t kind, Path run,
              const float* bias, const float* residual, int64_t n_out, at::Tensor& y) {
   const int64_t rows = xc.size(0), groups = d.size(0), nb = d.size(1), n = groups * LANES;
-  // the VNNI and scalar Q8 products take activations offset to unsigned (their sums corrected by corr)
-  const QuantRows X = quantize_rows(xc, nb * BLK, kind == Q8 && run != AVX2, run == AVX512VNNI, prologue, nw, eps);
+  // the scalar Q8 product takes activations offset to unsigned (its sums corrected by corr)
+  const QuantRows X = quantize_rows(xc, nb * BLK, kind == Q8 && run == SCALAR, kind == Q8, run == AVX512VNNI,
+                                    prologue, nw, eps);
   const QRows xr{X.q.data_ptr<int8_t>(), X.d.data_ptr<float>(), X.s.data_ptr<float>()};
   const Weights W{w.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4 ? m.data_ptr<c10::Half>() : nullptr,
                   kind == Q8 ? corr.data_ptr<int32_t>() : nullptr, nb};
@@ -572,8 +568,8 @@ void norm_scales(const float* x, int64_t ld, int64_t k, float eps, int64_t r0, i
 
 void quantize_blocks(const float* x, int64_t ld, const QProj& p, int64_t path, int64_t prologue, const float* nw,
                      const float* scales, int64_t i0, int64_t i1, int8_t* q, float* d, float* s) {
-  quantize_range(x, ld, p.nb, prologue, nw, scales, p.kind == Q8 && path != AVX2, path == AVX512VNNI, pick_silu(),
-                 i0, i1, q, d, s);
+  quantize_range(x, ld, p.nb, prologue, nw, scales, p.kind == Q8 && path == SCALAR, p.kind == Q8,
+                 path == AVX512VNNI, pick_silu(), i0, i1, q, d, s);
 }
 
 void product_groups(const QProj& p, int64_t path, const int8_t* q, const float* d, const float* s, int64_t rows,
