@@ -39,14 +39,12 @@ def attend_paged(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     write_slots: torch.Tensor, read_slots: torch.Tensor, mask: torch.Tensor | None, grid: torch.Tensor | None,
     n_heads: int, n_kv: int, scale: float,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """A decoder layer's attention on a paged float32 cache in one kernel call (`specserve_q::attend_paged`): RoPE
     on qkv's q and k heads, the new K/V written at `write_slots`, each (token, head) attended in place over the
     slots of `read_slots` its mask admits; the same bits as RoPE, `PagedView.update` and `attend`. qkv [T,
-    (Hq + 2 Hkv) D]; cos/sin [T, rot]; caches [S, Hkv, D]; write_slots [T]; read_slots [B, K]; mask [B, 1, Q, K]
-    or None; grid [T] each token's place in the [B, Q] grid (None: in order) -> [T, Hq D]. None where the kernel
-    does not apply (a head dimension off a multiple of 16): the caller runs the unfused path."""
-    if k_cache.shape[-1] % 16 or k_cache.shape[-1] > 256 or not kernel_loaded():
-        return None
-    return torch.ops.specserve_q.attend_paged(qkv, cos.float(), sin.float(), k_cache, v_cache, write_slots,
-                                              read_slots, mask, grid, n_heads, n_kv, scale)
+    (Hq + 2 Hkv) D]; cos/sin [T, rot]; caches [S, Hkv, D] (D a multiple of 16, at most 256); write_slots [T];
+    read_slots [B, K]; mask [B, 1, Q, K] or None; grid [T] each token's place in the [B, Q] grid (None: in order)
+    -> [T, Hq D]. The kernel must be loaded."""
+    return torch.ops.specserve_q.attend_paged(qkv, cos, sin, k_cache, v_cache, write_slots, read_slots, mask, grid,
+                                              n_heads, n_kv, scale)

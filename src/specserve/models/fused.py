@@ -82,13 +82,12 @@ class FusedLayer:
         b, q_len, hidden = x.shape
         x2 = x.reshape(-1, hidden)  # [T, H]
         qkv = self.qkv(x2, NORM, self.attn_norm)  # [T, (Hq + 2 Hkv) D]
-        out: torch.Tensor | None = None
         if (self.paged and isinstance(kv, PagedView) and kv.cache.k[layer].dtype == torch.float32
                 and not torch.compiler.is_compiling()):
             rot = cos.shape[-1]
             out = attend_paged(qkv, cos.reshape(-1, rot), sin.reshape(-1, rot), kv.cache.k[layer], kv.cache.v[layer],
                                kv.write_slots, kv.read_slots, kv.mask, kv.pack, *self.heads)
-        if out is None:
+        else:
             out = self.attend(qkv.view(b, q_len, -1), cos, sin, layer, kv, mask).reshape(x2.shape[0], -1)
         x2 = self.o(out, residual=x2)
         h = self.gate_up(x2, NORM, self.mlp_norm)  # [T, 2 I]

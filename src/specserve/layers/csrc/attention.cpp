@@ -150,6 +150,12 @@ SPECSERVE_INLINE void group_body(const float* q0, const float* kb, const float* 
   }
 }
 
+// Whether this CPU runs the AVX512 builds of the row and group bodies.
+bool wide_vectors() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
 using GroupFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, float, float*, int64_t,
                          float*);
 
@@ -173,8 +179,7 @@ SPECSERVE_GROUP_FNS(8, 4)
 
 // The grouped body for nd chunks of 16 and a group of g rows, or null (run rows one by one).
 GroupFn pick_group(int nd, int64_t g) {
-  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const bool wide = wide_vectors();
   if (nd == 4 && g == 2) return wide ? group_avx512_4_2 : group_base_4_2;
   if (nd == 4 && g == 3) return wide ? group_avx512_4_3 : group_base_4_3;
   if (nd == 4 && g == 4) return wide ? group_avx512_4_4 : group_base_4_4;
@@ -205,8 +210,7 @@ using RowFn = void (*)(const float*, const float*, const float*, const int32_t*,
                        float*);
 
 RowFn pick_row(int nd) {
-  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const bool wide = wide_vectors();
   if (nd == 4) return wide ? row_avx512_4 : row_base_4;
   if (nd == 8) return wide ? row_avx512_8 : row_base_8;
   return wide ? row_avx512_0 : row_base_0;

@@ -468,32 +468,29 @@ void groups_range(const Weights& W, int64_t kind, Path run, const QRows& X, int6
 }
 
 // y [M, G*16] = xc [M, K] . W^T on `run`, the prologue applied to xc first, bias and residual added after.
-void product(const at::Tensor& xc, int64_t prologue, const float* nw, float eps, const at::Tensor& w,
-             const at::Tensor& d, const at::Tensor& m, const at::Tensor& corr, int64_t kind, Path run,
-             const float* bias, const float* residual, int64_t n_out, at::Tensor& y) {
-  const int64_t rows = xc.size(0), groups = d.size(0), nb = d.size(1), n = groups * LANES;
+void product(const at::Tensor& xc, int64_t prologue, const float* nw, float eps, const specserve::QProj& p, Path run,
+             const float* residual, at::Tensor& y) {
+  const int64_t rows = xc.size(0);
   // the scalar Q8 product takes activations offset to unsigned (its sums corrected by corr)
-  const QuantRows X = quantize_rows(xc, nb * BLK, kind == Q8 && run == SCALAR, kind == Q8, run == AVX512VNNI,
+  const QuantRows X = quantize_rows(xc, p.nb * BLK, p.kind == Q8 && run == SCALAR, p.kind == Q8, run == AVX512VNNI,
                                     prologue, nw, eps);
-  const QRows xr{X.q.data_ptr<int8_t>(), X.d.data_ptr<float>(), X.s.data_ptr<float>()};
-  const Weights W{w.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4 ? m.data_ptr<c10::Half>() : nullptr,
-                  kind == Q8 ? corr.data_ptr<int32_t>() : nullptr, nb};
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    groups_range(W, kind, run, xr, rows, g0, g1, yp, n, bias, residual, n_out);
+  at::parallel_for(0, p.groups, 1, [&](int64_t g0, int64_t g1) {
+    specserve::product_groups(p, run, X.q.data_ptr<int8_t>(), X.d.data_ptr<float>(), X.s.data_ptr<float>(), rows,
+                              g0, g1, yp, residual);
   });
 }
 
 // x [M, K] float32; w packed uint8; d/m fp16 [G, nb, 16]; corr int32 [G, nb, 16] (Q8) -> [M, G*16] float32.
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                    const at::Tensor& corr, int64_t kind, int64_t path) {
-  check_weights(w, d, m, corr, kind);
+  const specserve::QProj p = specserve::qproj(w, d, m, corr, kind, d.size(0) * LANES, std::nullopt);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmatmul: x must be a 2-D float32 tensor");
-  TORCH_CHECK(x.size(1) == d.size(1) * BLK, "qmatmul: x has ", x.size(1), " columns, the weight ", d.size(1) * BLK);
+  TORCH_CHECK(x.size(1) == p.nb * BLK, "qmatmul: x has ", x.size(1), " columns, the weight ", p.nb * BLK);
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({xc.size(0), d.size(0) * LANES}, xc.options());
+  at::Tensor y = at::empty({xc.size(0), p.n_out}, xc.options());
   if (xc.size(0) == 0) return y;
-  product(xc, NONE, nullptr, 0.f, w, d, m, corr, kind, resolve(path), nullptr, nullptr, y.size(1), y);
+  product(xc, NONE, nullptr, 0.f, p, resolve(path), nullptr, y);
   return y;
 }
 
@@ -503,24 +500,18 @@ at::Tensor qlinear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         const at::Tensor& corr, int64_t kind, int64_t n_out, int64_t prologue,
                         const std::optional<at::Tensor>& norm_w, double eps, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual) {
-  check_weights(w, d, m, corr, kind);
-  const int64_t k = d.size(1) * BLK, n = d.size(0) * LANES;
-  TORCH_CHECK(n_out <= n && n_out > n - LANES, "qlinear: n_out ", n_out, " does not match the weight's ", n);
+  const specserve::QProj p = specserve::qproj(w, d, m, corr, kind, n_out, bias);
+  const int64_t k = p.nb * BLK, n = p.groups * LANES;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qlinear: x must be a 2-D float32 tensor");
   TORCH_CHECK(prologue == NONE || prologue == NORM || prologue == SILU_MUL, "qlinear: unknown prologue ", prologue);
   const at::Tensor xc = x.contiguous();
   TORCH_CHECK(xc.size(1) == (prologue == SILU_MUL ? 2 * k : k), "qlinear: x has ", xc.size(1), " columns, the weight ",
               k, prologue == SILU_MUL ? " (silu-mul takes x of 2K columns)" : "");
-  at::Tensor nw;
+  at::Tensor nw, rc;
   if (prologue == NORM) {
     TORCH_CHECK(norm_w.has_value() && norm_w->numel() == k && norm_w->scalar_type() == at::kFloat,
                 "qlinear: a norm prologue needs a float32 weight of ", k);
     nw = norm_w->contiguous();
-  }
-  at::Tensor bc, rc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n_out, "qlinear: bias must be float32 [n_out]");
   }
   if (residual.has_value() && residual->defined()) {
     rc = residual->contiguous();
@@ -529,9 +520,8 @@ at::Tensor qlinear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tens
   }
   at::Tensor y = at::empty({xc.size(0), n}, xc.options());
   if (xc.size(0) > 0) {
-    product(xc, prologue, nw.defined() ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps), w, d, m, corr, kind,
-            resolve(AUTO), bc.defined() ? bc.data_ptr<float>() : nullptr,
-            rc.defined() ? rc.data_ptr<float>() : nullptr, n_out, y);
+    product(xc, prologue, nw.defined() ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps), p, resolve(AUTO),
+            rc.defined() ? rc.data_ptr<float>() : nullptr, y);
   }
   return n_out == n ? y : y.narrow(1, 0, n_out);
 }
