@@ -48,7 +48,8 @@ def test_cli_greedy_equals_transformers_generate(capsys: pytest.CaptureFixture[s
 
 def test_bundled_drafters_are_small_documented_and_match_the_target() -> None:
     sizes = 0
-    for name, arch in (("demo-eagle3", "LlamaForCausalLMEagle3"), ("demo-dflash", "DFlashDraftModel")):
+    for name, arch in (("demo-eagle3", "LlamaForCausalLMEagle3"), ("demo-dflash", "DFlashDraftModel"),
+                       ("demo-dflash2", "DFlash2DraftModel")):
         d = resolve_model_path(name)
         assert (d / "MODEL_CARD.md").exists() and (d / "acceptance.json").exists()
         assert json.loads((d / "config.json").read_text())["architectures"] == [arch]
@@ -57,10 +58,10 @@ def test_bundled_drafters_are_small_documented_and_match_the_target() -> None:
 
 
 def test_every_drafter_is_exact_on_the_demo(demo: LLM) -> None:
-    """The bundled trained drafters (chain, EAGLE tree, DDTree; DFlash also with its weights in bf16, as
-    `--speculative-draft-dtype auto` runs it on CPUs with native bf16) and n-gram lookup equal plain greedy
-    decoding, and the trained ones do accept drafts (a drafter that never agrees would be exact too); the bf16
-    DFlash drafter accepts about as much as the float32 one."""
+    """The bundled trained drafters (chain, EAGLE tree, DDTree, DFlash 2's selector chain and tree; DFlash also with
+    its weights in bf16, as `--speculative-draft-dtype auto` runs it on CPUs with native bf16) and n-gram lookup
+    equal plain greedy decoding, and the trained ones do accept drafts (a drafter that never agrees would be exact
+    too); the bf16 DFlash drafter accepts about as much as the float32 one."""
     prompts = [demo.encode(p) for _, p in coding_prompts()[:3]]
     prompts += [demo.encode(t.prompt or "") for t in load_suite("heldout-code")[:3]]
     assert len(prompts) == 6
@@ -69,6 +70,9 @@ def test_every_drafter_is_exact_on_the_demo(demo: LLM) -> None:
         ("ngram", SpeculativeConfig.resolve("NGRAM"), demo.dtype),
         ("dflash", dflash, demo.dtype),
         ("dflash-bf16", dflash, torch.bfloat16),
+        ("dflash2", SpeculativeConfig.resolve("DFLASH", "demo-dflash2", dflash_block_size=16), demo.dtype),
+        ("dflash2-chain", SpeculativeConfig.resolve("DFLASH", "demo-dflash2", dflash_block_size=16, tree="chain",
+                                                    num_draft_tokens=8), demo.dtype),
         ("eagle3", SpeculativeConfig.resolve("EAGLE3", "demo-eagle3"), demo.dtype),
         ("eagle3-tree", SpeculativeConfig.resolve("EAGLE3", "demo-eagle3", eagle_topk=2, num_steps=3,
                                                   num_draft_tokens=6), demo.dtype),

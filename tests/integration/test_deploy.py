@@ -268,17 +268,25 @@ FAKE_ENGINE = '#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n'
 
 @needs_analyze
 @pytest.mark.parametrize(("engine", "algorithm"), [("sglang", "EAGLE3"), ("vllm", "EAGLE3"), ("sglang", "DFLASH"),
-                                                   ("vllm", "DFLASH"), ("vllm", "NGRAM"), ("vllm", "SUFFIX")])
+                                                   ("vllm", "DFLASH"), ("vllm", "DFLASH2"), ("vllm", "NGRAM"),
+                                                   ("vllm", "SUFFIX")])
 def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_dir: Path, engine: str,
                                                            algorithm: str) -> None:
+    """DFLASH2: a DFlash 2 drafter under the DFLASH algorithm; vLLM drafts its whole block (7 for block 8)."""
     target = load_config(tiny_dir)
+    dflash2 = algorithm == "DFLASH2"
+    if dflash2:
+        algorithm = "DFLASH"
+        init_random_dflash(target, tmp_path / "drafter-src", seed=0, num_hidden_layers=1, block_size=8,
+                           conv_kernel_size=3, conv_group_size=16, selector_rank=4, selector_top_k=4)
     spec: dict[str, Any] = {"speculative_algorithm": algorithm}
     if algorithm == "EAGLE3":
         init_random_eagle3(target, tmp_path / "drafter-src", seed=0)
         spec.update(speculative_draft_model_path=str(tmp_path / "drafter-src"), speculative_num_steps=3,
                     speculative_eagle_topk=2, speculative_num_draft_tokens=6)
     elif algorithm == "DFLASH":
-        init_random_dflash(target, tmp_path / "drafter-src", seed=0, num_hidden_layers=1, block_size=4)
+        if not dflash2:
+            init_random_dflash(target, tmp_path / "drafter-src", seed=0, num_hidden_layers=1, block_size=4)
         spec.update(speculative_draft_model_path=str(tmp_path / "drafter-src"))
     settings = {"EAGLE3": ENGINE_A, "DFLASH": ENGINE_B}.get(algorithm, {})  # NGRAM: the engine defaults
     cfg = write_yaml(tmp_path / "serve.yaml", model=str(tiny_dir), device="cpu", api_key="k", max_queue=17,
@@ -324,7 +332,8 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
     else:
         sc = json.loads(args["--speculative-config"])
         method = {"EAGLE3": "eagle3", "DFLASH": "dflash", "NGRAM": "ngram", "SUFFIX": "suffix"}[algorithm]
-        steps = {"EAGLE3": 3, "DFLASH": 3, "NGRAM": 6, "SUFFIX": 16}[algorithm]  # DFLASH: block 4 minus the root
+        # DFLASH: block 4 minus the root; DFlash 2: its whole block of 8, whatever the verify width
+        steps = {"EAGLE3": 3, "DFLASH": 7 if dflash2 else 3, "NGRAM": 6, "SUFFIX": 16}[algorithm]
         assert sc["method"] == method and sc["num_speculative_tokens"] == steps
         assert args["--tensor-parallel-size"] == "2" and args["--tool-call-parser"] == "hermes"
         assert "--enable-auto-tool-choice" in seen
@@ -367,6 +376,11 @@ def test_export_uses_known_flags_and_engine_drafter_fields(tmp_path: Path, tiny_
         assert drafter_cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         top = drafter_cfg["eagle_aux_hidden_state_layer_ids"]
         assert drafter_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in top]
+    elif dflash2:
+        assert missing_fields(drafter_cfg, known.drafter_fields["DFLASH2"]) == []
+        assert drafter_cfg["architectures"] == ["DFlash2DraftModel"] and drafter_cfg["block_size"] == 8
+        assert "DFlash2DraftModel" in next(m["note"] for m in facts["mapped"]
+                                           if m["flag"] == "--speculative-draft-model-path")
     elif algorithm == "DFLASH":
         assert missing_fields(drafter_cfg, known.drafter_fields["DFLASH"]) == []
         assert drafter_cfg["architectures"] == ["DFlashDraftModel"] and drafter_cfg["block_size"] == 4

@@ -32,7 +32,8 @@ RELEASES = [(engine, version) for engine, versions in peers.PEERS.items() for ve
 
 
 def export_configs() -> dict[str, ServeConfig]:
-    """Seven exports: plain, NGRAM, EAGLE3 chain (adaptive), EAGLE3 tree, DFLASH (two), STANDALONE."""
+    """Eight exports: plain, NGRAM, EAGLE3 chain (adaptive), EAGLE3 tree, DFLASH (two, and a DFlash 2 drafter's:
+    `dflash2`, a chain of 8 verified, vLLM given the whole block), STANDALONE."""
     base = ServeConfig(model="/m", api_key="k", tool_call_parser="qwen3", speculative_adaptive=False,
                        engine=EngineConfig(hicache_gb=4.0, kv_block_size=1))
     eagle = SpeculativeConfig(algorithm="EAGLE3", draft_model_path="/d", num_steps=3, eagle_topk=1,
@@ -45,6 +46,7 @@ def export_configs() -> dict[str, ServeConfig]:
         "eagle3-chain-adaptive": replace(base, speculative=eagle, speculative_adaptive=True),
         "eagle3-tree": replace(base, speculative=replace(eagle, eagle_topk=4, num_draft_tokens=8, tree="eagle")),
         "dflash": replace(base, speculative=dflash),
+        "dflash2": replace(base, speculative=replace(dflash, num_draft_tokens=8)),
         "dflash-adaptive": replace(base, speculative=dflash, speculative_adaptive=True,
                                    engine=EngineConfig(kv_block_size=16)),
         "standalone": replace(base, speculative=SpeculativeConfig(algorithm="STANDALONE", draft_model_path="/d",
@@ -86,7 +88,8 @@ def test_commands_parse_in_the_engines_own_parsers(installed: dict[tuple[str, st
             job.append((f"tune {line['name']}", list(line["argv"]), None))  # type: ignore[arg-type]
         for label, cfg in export_configs().items():
             verdict = judge(engine, version, cfg.speculative, cfg.engine.kv_block_size, cfg.speculative_adaptive)
-            cmd = build_command(known, cfg, "/m", cfg.speculative.draft_model_path, tp=2, hierarchical_cache=True)
+            cmd = build_command(known, cfg, "/m", cfg.speculative.draft_model_path, tp=2, hierarchical_cache=True,
+                                dflash2=label == "dflash2")
             job.append((f"export {label}", list(cmd.argv), verdict.skip if verdict.rejected else None))
         skipped = {line["name"]: line["skipped"] for line in lines if line["argv"] is None}
         if engine == "sglang" and version == "0.5.10":
@@ -114,5 +117,5 @@ def test_commands_parse_in_the_engines_own_parsers(installed: dict[tuple[str, st
                 assert (error is None) == (rule_skip is None), f"{release} {label}: {error!r} vs {rule_skip!r}"
             if error:
                 rejected.setdefault(release, []).append(label)
-    assert rejected == {("sglang", "0.5.10"): ["export eagle3-chain-adaptive", "export dflash",
+    assert rejected == {("sglang", "0.5.10"): ["export eagle3-chain-adaptive", "export dflash", "export dflash2",
                                                "export dflash-adaptive"]}

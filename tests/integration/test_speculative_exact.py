@@ -16,7 +16,7 @@ import torch
 from reference_decoding import generate_plain
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
-from specserve.speculative.dflash.checkpoint import init_random_dflash
+from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash, save_dflash
 from specserve.speculative.eagle3.checkpoint import init_random_eagle3
 from specserve.speculative.factory import DrafterBuilder, plan_drafter
 from specserve.types import GenerationResult, SamplingParams
@@ -49,6 +49,21 @@ def prompts(llm: LLM) -> list[list[int]]:
 def dflash_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
     path = tmp_path_factory.mktemp("dflash")
     init_random_dflash(llm.config, path, seed=3, block_size=8)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dflash2_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
+    """A random DFlash 2 drafter whose selector's pairwise term is large enough to move its laws."""
+    path = tmp_path_factory.mktemp("dflash2")
+    cfg = init_random_dflash(llm.config, path, seed=4, block_size=8, conv_kernel_size=3, conv_group_size=16,
+                             selector_rank=4, selector_top_k=4)
+    model = load_dflash(path, llm.config, torch.device("cpu"), torch.float32)
+    assert model.candidate_selector is not None
+    with torch.no_grad():
+        for p in model.candidate_selector.parameters():
+            p.mul_(60.0)
+    save_dflash(model, cfg, path)
     return path
 
 
@@ -183,9 +198,10 @@ def dflash_reveal_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Pat
     return path
 
 
-@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "dflash-reveal", "ngram-tree", "suffix-tree"])
+@pytest.mark.parametrize("which", ["standalone-chain", "dflash-ddtree", "dflash-reveal", "dflash2-chain",
+                                   "dflash2-ddtree", "ngram-tree", "suffix-tree"])
 def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dflash_dir: Path,
-                                             dflash_reveal_dir: Path, which: str) -> None:
+                                             dflash_reveal_dir: Path, dflash2_dir: Path, which: str) -> None:
     """Chi-square on the joint law of the first two tokens, speculative vs plain, 600 seeds each."""
     from scipy.stats import chi2_contingency
 
@@ -195,6 +211,10 @@ def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dfl
                                                    num_draft_tokens=6),
         "dflash-reveal": SpeculativeConfig.resolve("DFLASH", str(dflash_reveal_dir), dflash_block_size=8,
                                                    num_draft_tokens=6),
+        "dflash2-chain": SpeculativeConfig.resolve("DFLASH", str(dflash2_dir), dflash_block_size=8,
+                                                   num_draft_tokens=4, tree="chain"),
+        "dflash2-ddtree": SpeculativeConfig.resolve("DFLASH", str(dflash2_dir), dflash_block_size=8,
+                                                    num_draft_tokens=6),
         "ngram-tree": SpeculativeConfig.resolve("NGRAM"),
         # the cache of earlier outputs (all of this prompt) makes trees from the samples drawn so far
         "suffix-tree": SpeculativeConfig.resolve("SUFFIX", suffix_min_token_prob=0.0),

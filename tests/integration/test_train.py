@@ -92,6 +92,32 @@ def test_greedy_prepare_stores_the_targets_own_continuation(tiny_dir: Path, tmp_
     assert ex.tokens[ex.prompt_len :].tolist() == res.token_ids
 
 
+def test_answered_chat_lines_are_written_as_they_stand(tiny_dir: Path, tmp_path: Path) -> None:
+    """A chat line ending in the assistant's answer is written as the template renders that turn, through its end
+    of turn, once whatever --samples-per-prompt says, beside a generated line; an answer cut by --max-new-tokens
+    keeps its first tokens."""
+    user = {"role": "user", "content": "Write a sort function."}
+    answer = "def sort(xs):\n    return sorted(xs)"
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps({"messages": [user, {"role": "assistant", "content": answer}]}) + "\n"
+        + json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    for out, cap in (("d", 64), ("cut", 5)):
+        assert main(["prepare", "--target", str(tiny_dir), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+                     str(tmp_path / out), "--max-new-tokens", str(cap), "--samples-per-prompt", "2", "--device",
+                     "cpu", "--dtype", "float32"]) == 0
+    examples = read_shard(tmp_path / "d" / "shard-00000.npz")
+    assert len(examples) == 3  # the answered line once, the plain prompt twice
+    tok = Tokenizer(tiny_dir)
+    prompt_text = tok.apply_chat_template([user])
+    full = tok.apply_chat_template([user, {"role": "assistant", "content": answer}], add_generation_prompt=False)
+    assert full.startswith(prompt_text) and examples[0].tokens.tolist() == tok.encode(full.rstrip())
+    assert examples[0].prompt_len == len(tok.encode(prompt_text))
+    want = tok.encode(full[len(prompt_text):].rstrip())
+    assert examples[0].tokens[examples[0].prompt_len:].tolist() == want and len(want) > 5
+    [cut, *_] = read_shard(tmp_path / "cut" / "shard-00000.npz")
+    assert cut.tokens[cut.prompt_len:].tolist() == want[:5]
+
+
 def test_bundled_prompts_are_stdlib_openings_not_evaluation_prompts() -> None:
     prompts = read_prompts(BUNDLED_PROMPTS)
     assert 200 <= len(prompts) <= 500 and BUNDLED_PROMPTS.stat().st_size < 150_000
@@ -304,10 +330,14 @@ def test_eagle3_run_with_evaluation_exports_and_round_trips(data_dir: Path, tiny
     assert "--format sglang or vllm" in capsys.readouterr().err
 
 
-def test_dflash_export_round_trips(data_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
-    a = _parse("dflash", "--target", str(tiny_dir), "--data", str(data_dir), "--out", str(tmp_path / "run"),
-               "--steps", "2", *SMALL, *DFLASH)
-    trainer, _ = run_training("dflash", a)
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_dflash_export_round_trips(data_dir: Path, tiny_dir: Path, tmp_path: Path, kind: str) -> None:
+    v2 = ("--conv-group-size", "16", "--selector-rank", "4", "--selector-top-k", "4") if kind == "dflash2" else ()
+    a = _parse(kind, "--target", str(tiny_dir), "--data", str(data_dir), "--out", str(tmp_path / "run"),
+               "--steps", "2", *SMALL, *DFLASH, *v2)
+    trainer, summary = run_training(kind, a)
+    if kind == "dflash2":
+        assert summary["kind"] == "dflash2" and trainer.objective.drafter.candidate_selector is not None
     trained = trainer.objective.drafter.eval()
     assert main(["export", "--drafter", str(tmp_path / "run" / "drafter"), "--target", str(tiny_dir),
                  "--format", "dflash", "--out", str(tmp_path / "exp"), "--dtype", "float32"]) == 0
@@ -319,7 +349,8 @@ def test_dflash_export_round_trips(data_dir: Path, tiny_dir: Path, tmp_path: Pat
         got, want = (m(noise, pos[:, 6:], m.context_kv(feats, pos[:, :6])) for m in (back, trained))
     assert torch.equal(got, want)
     raw = json.loads((tmp_path / "exp" / "config.json").read_text())
-    assert raw["architectures"] == ["DFlashDraftModel"] and raw["dflash_config"]["mask_token_id"] == 3
+    arch = "DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"
+    assert raw["architectures"] == [arch] and raw["dflash_config"]["mask_token_id"] == 3
     assert np.isfinite(json.loads((tmp_path / "run" / "train_summary.json").read_text())["final_loss"])
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from specserve.bench.suites import CHAT_KINDS, default_new_tokens, load_suite
 from specserve.train.chat_prompts import _flip, build_tasks, functions_of, source_files
 
@@ -75,3 +77,15 @@ def test_the_code_editing_suite_rewrites_code_from_the_prompt_and_is_reproducibl
     assert [(t.name, t.messages) for t in edit] == [(t["name"], t["messages"]) for t in rebuilt]
     with pytest.raises(ValueError, match="--kinds"):
         build_tasks("heldout", 2, kinds=("rewrite",))
+
+
+def test_answered_chat_tasks_carry_the_sources_function() -> None:
+    tasks = build_tasks("train", 6, seed=3, answers=True)
+    assert [t["kind"] for t in tasks] == ["write", "fix", "complete"] * 2
+    for t in tasks:
+        reply = t["messages"][-1]
+        assert reply["role"] == "assistant" and reply["content"].startswith("```python\ndef ")
+    fixed = tasks[1]["messages"][-1]["content"].removeprefix("```python\n").removesuffix("```")
+    assert fixed not in tasks[1]["messages"][0]["content"]  # the prompt shows the code with one flip
+    with pytest.raises(ValueError, match="--answers needs --kinds"):
+        build_tasks("train", 2, answers=True, kinds=("write", "explain"))

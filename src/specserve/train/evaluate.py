@@ -31,7 +31,7 @@ from specserve.tokenizer import Tokenizer
 from specserve.train.val_cuts import SUITE, validation_cuts
 from specserve.types import SamplingParams
 
-ALGORITHM = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
+ALGORITHM = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dflash2": "DFLASH"}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from specserve.config import ModelConfig, parse_dtype
 from specserve.models.loader import load_config, resolve_model_path
 from specserve.speculative.dflash.checkpoint import load_dflash, save_dflash
 from specserve.speculative.dflash.model import ARCH as DFLASH_ARCH
+from specserve.speculative.dflash.model import ARCH2 as DFLASH2_ARCH
 from specserve.speculative.dflash.model import DFlashDraftModel
 from specserve.speculative.eagle3.checkpoint import load_eagle3, save_eagle3
 from specserve.speculative.eagle3.model import ARCHITECTURES as EAGLE3_ARCHS
@@ -111,9 +112,10 @@ def _model_card(kind: str, fmt: str, out: Path, target: str, summary: dict[str, 
 def export(cfg: ExportConfig) -> dict[str, Any]:
     src = source_dir(cfg.drafter)
     arch = (json.loads((src / "config.json").read_text()).get("architectures") or [None])[0]
-    kind = "eagle3" if arch in EAGLE3_ARCHS else "dflash" if arch == DFLASH_ARCH else None
+    kind = ("eagle3" if arch in EAGLE3_ARCHS else "dflash" if arch == DFLASH_ARCH
+            else "dflash2" if arch == DFLASH2_ARCH else None)
     if kind is None:
-        raise ValueError(f"--drafter {src}: architectures {arch!r} is neither EAGLE-3 nor DFlash")
+        raise ValueError(f"--drafter {src}: architectures {arch!r} is neither EAGLE-3 nor DFlash (1 or 2)")
     if (kind == "eagle3") != (cfg.format in ("sglang", "vllm")):
         want = "sglang or vllm" if kind == "eagle3" else "dflash"
         raise ValueError(f"--format {cfg.format} does not fit a {kind} drafter ({src}); use --format {want}")

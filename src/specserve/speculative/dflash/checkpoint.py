@@ -1,5 +1,9 @@
-"""DFlash drafter checkpoints: read and check a config.json + safetensors directory against the target,
-load, save, and write random-weight drafters (layout: `speculative/dflash/model.py`).
+"""DFlash and DFlash 2 drafter checkpoints: read and check a config.json + safetensors directory against the
+target, load, save, and write random-weight drafters (layout: `speculative/dflash/model.py`).
+
+DFlash 2's codebooks are written as z-lab's published checkpoints name them, `candidate_selector.{predecessor,
+successor}_codebook` without a `.weight` (its `from_pretrained` maps them onto its embeddings); the `.weight` form
+its `save_pretrained` writes is read too.
 """
 
 from __future__ import annotations
@@ -16,7 +20,21 @@ from safetensors import SafetensorError, safe_open
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.models.loader import resolve_model_path
 from specserve.models.weights import fuse_hf_state, iter_tensors, save_safetensors, split_to_hf, weight_files
+from specserve.speculative.dflash.conv import GroupedCausalConv
 from specserve.speculative.dflash.model import ARCH, FLAG, DFlashConfig, DFlashDraftModel, default_target_layer_ids
+
+_CODEBOOKS = tuple(f"candidate_selector.{n}_codebook" for n in ("predecessor", "successor"))
+
+
+def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our parameter names -> the checkpoint's (codebooks without `.weight`)."""
+    return {(k.removesuffix(".weight") if k.removesuffix(".weight") in _CODEBOOKS else k): v for k, v in state.items()}
+
+
+def _our_name(name: str) -> str:
+    """A checkpoint name (either codebook form, `model.` prefix or not) -> the published one."""
+    name = name.removeprefix("model.")
+    return name.removesuffix(".weight") if name.removesuffix(".weight") in _CODEBOOKS else name
 
 
 def read_dflash_config(model_dir: Path) -> DFlashConfig:
@@ -58,7 +76,7 @@ def dflash_block_size(spec: SpeculativeConfig, cfg: DFlashConfig) -> int:
 def _expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         state = DFlashDraftModel(cfg).state_dict()
-    return {k: tuple(v.shape) for k, v in split_to_hf(state, cfg.body).items()}
+    return {k: tuple(v.shape) for k, v in _published_names(split_to_hf(state, cfg.body)).items()}
 
 
 def _check_weights(model_dir: Path, cfg: DFlashConfig) -> list[Path]:
@@ -70,13 +88,13 @@ def _check_weights(model_dir: Path, cfg: DFlashConfig) -> list[Path]:
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    found[name.removeprefix("model.")] = tuple(handle.get_slice(name).get_shape())
+                    found[_our_name(name)] = tuple(handle.get_slice(name).get_shape())
     except (ValueError, SafetensorError, OSError) as e:
         raise ValueError(f"{where}: {e}") from None
     expected = _expected_shapes(cfg)
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or extra:
-        raise ValueError(f"{where}: weights do not match a {ARCH} config: missing {missing[:4]}, "
+        raise ValueError(f"{where}: weights do not match a {cfg.architecture} config: missing {missing[:4]}, "
                          f"unexpected {extra[:4]}")
     for name, shape in expected.items():
         if found[name] != shape:
@@ -105,8 +123,9 @@ def load_dflash(path: str | Path, target_cfg: ModelConfig, device: torch.device,
     cfg = read_dflash_config(model_dir)
     check_against_target(cfg, target_cfg, f"{FLAG} {model_dir}")
     files = _check_weights(model_dir, cfg)
-    tensors = {f"model.{k.removeprefix('model.')}": t for k, t in iter_tensors(files)}
+    tensors = {f"model.{_our_name(k)}": t for k, t in iter_tensors(files)}
     fused = {k.removeprefix("model."): t for k, t in fuse_hf_state(tensors).items()}
+    fused = {(f"{k}.weight" if k in _CODEBOOKS else k): t for k, t in fused.items()}
     with torch.device("meta"):
         module = DFlashDraftModel(cfg)
     module = module.to_empty(device="cpu")
@@ -119,7 +138,7 @@ def load_dflash(path: str | Path, target_cfg: ModelConfig, device: torch.device,
 def save_dflash(module: DFlashDraftModel, cfg: DFlashConfig, path: Path) -> None:
     """Write config.json + model.safetensors in the public layout (split q/k/v and gate/up)."""
     path.mkdir(parents=True, exist_ok=True)
-    state = split_to_hf({k: v.detach() for k, v in module.state_dict().items()}, cfg.body)
+    state = _published_names(split_to_hf({k: v.detach() for k, v in module.state_dict().items()}, cfg.body))
     save_safetensors(state, path / "model.safetensors")
     dtype = next(module.parameters()).dtype
     (path / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=2) + "\n")
@@ -134,7 +153,9 @@ def init_random_dflash(
     """Write a random-weight drafter for `target_cfg` (HF-style init: N(0, 0.02) weights, unit norms).
     Defaults: the target's head layout, num_hidden_layers tapped layers spread by `default_target_layer_ids`,
     mask token = the last vocabulary id (padded vocabularies leave it unused); `calibration`: DFlashConfig's
-    calibration fields (tree_temperature, sample_temperature, sample_reveal, greedy_reveal)."""
+    calibration fields (tree_temperature, sample_temperature, sample_reveal, greedy_reveal) or DFlash 2's sizes
+    (conv_kernel_size, conv_group_size, selector_rank, selector_top_k: a DFlash 2 drafter, its convolutions
+    starting as the identity plus N(0, 0.02) dynamic taps)."""
     body = replace(
         target_cfg, architecture=ARCH, num_hidden_layers=num_hidden_layers, qk_norm=True, tie_word_embeddings=False,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
@@ -153,5 +174,9 @@ def init_random_dflash(
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        for m in module.modules():
+            if isinstance(m, GroupedCausalConv):
+                m.base_kernel.zero_()
+                m.base_kernel[:, 0] = 1.0
     save_dflash(module, cfg, path)
     return cfg

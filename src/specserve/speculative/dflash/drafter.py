@@ -20,6 +20,12 @@ drafted in one pass, unless `dflash_config.sample_reveal` shows the drafter the 
 one more block forward per token shown). They verify by recursive rejection (`verify.verify_sampled`,
 SpecInfer), accepting a sibling with min(1, p/q): where the target is uncertain that accepts more than a fixed
 top-k set covers (coding10 at temperature 0.7: see the drafter's card).
+
+A DFlash 2 drafter (`selector.py`) drafts the same block, then its candidate selector scores each slot's top-k
+given the token before it: a chain is the selector's greedy walk (or, sampling, a walk drawn from its laws at
+T x sample_temperature, the laws kept for verification); a DDTree is the best tree over the selector's chain of
+laws (`selector_tree`, at dflash_config.tree_temperature), its tokens drawn for a sampling request
+(`draw_selector_tree`). Every row of the block goes through the LM head at once (the selector needs them all).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
 from specserve.speculative.dflash.checkpoint import check_against_target, dflash_block_size
 from specserve.speculative.dflash.model import FLAG, DFlashDraftModel
+from specserve.speculative.dflash.selector import draw_selector_tree, sampled_chain, selector_tree
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.trees.ddtree import build_ddtree, rebuild_below
 from specserve.speculative.trees.sampled_tree import draw_tree, redraw_below
@@ -59,6 +66,7 @@ class DFlashDrafter(Drafter):
         self.block_size = dflash_block_size(spec, cfg)
         self.capture = cfg.capture
         self.draft, self.target, self.spec = draft, target, spec
+        self.selector = draft.candidate_selector  # DFlash 2's; None for DFlash
         self.head = head if head is not None else target.lm_head
         self.params, self.gen = params, generator
         weight = draft.fc.weight
@@ -161,6 +169,8 @@ class DFlashDrafter(Drafter):
     def propose(self, root: int, max_drafts: int | None = None) -> DraftTree:
         rows = self.rows_needed(max_drafts)
         hidden = self._block_hidden(root, rows)  # [rows, H]
+        if self.selector is not None:
+            return _selector_trees([self], [root], hidden[None], [max_drafts])[0]
         first = self.lazy_rows(max_drafts)
         tree = self._tree_lazily(root, self._log_probs(hidden[:first]), hidden[first:rows], max_drafts)
         return _reveal([self], [root], [tree])[0]
@@ -181,7 +191,8 @@ class DFlashDrafter(Drafter):
         row m (a loop the drafter follows far) gets all rows at once: its next tree likely will too, and a
         second product would cost more than it saves. A chain reads all its rows."""
         rows = self.rows_needed(max_drafts)
-        return min(rows, LAZY_ROWS) if self.spec.tree == "ddtree" and not self._last_deep else rows
+        lazy = self.spec.tree == "ddtree" and not self._last_deep and self.selector is None
+        return min(rows, LAZY_ROWS) if lazy else rows
 
     def _tree_lazily(self, root: int, head: torch.Tensor, rest: torch.Tensor, max_drafts: int | None) -> DraftTree:
         """head [m, V] log-probs of the first rows, rest [r, H] the remaining rows' block outputs."""
@@ -205,6 +216,8 @@ class DFlashDrafter(Drafter):
         rows = [d.rows_needed(m) for d, m in zip(group, max_drafts, strict=True)]
         first = [d.lazy_rows(m) for d, m in zip(group, max_drafts, strict=True)]
         hidden = _block_hidden_many(group, roots, max(rows))  # [B, max(rows), H]
+        if group[0].selector is not None:
+            return _selector_trees(group, roots, hidden, max_drafts)
         lo, hi = min(first), max(first)
         head = group[0]._log_probs(hidden[:, :lo])  # [B, lo, V]
         more = [i for i, f in enumerate(first) if f > lo]
@@ -281,6 +294,32 @@ def _reveal(drafters: Sequence[DFlashDrafter], roots: list[int], trees: list[Dra
             else:
                 q = target_probs(log_probs[j] / cfg.sample_temperature, d.params)
                 trees[i] = redraw_below(trees[i], paths[i][-1], q, d.gen, first_depth=level + 1)
+    return trees
+
+
+def _selector_trees(drafters: Sequence[DFlashDrafter], roots: list[int], hidden: torch.Tensor,
+                    max_drafts: list[int | None]) -> list[DraftTree]:
+    """DFlash 2: hidden [B, rows, H] the block outputs of B requests (one drafter model) -> their trees, the LM
+    head and the selector's scores batched over all of them."""
+    first = drafters[0]
+    assert first.selector is not None
+    unary = first._log_probs(hidden)  # [B, rows, V]
+    dev = hidden.device
+    tr = first.selector.transitions(hidden, unary, torch.tensor(roots, device=dev))
+    vocab, rows = int(unary.shape[-1]), int(hidden.shape[1])
+    trees = []
+    for i, (d, root, m) in enumerate(zip(drafters, roots, max_drafts, strict=True)):
+        n = d._draft_nodes(m)
+        temperature = d.params.temperature * d.draft.config.sample_temperature
+        if d.spec.tree == "chain":
+            slots = min(n, rows)
+            trees.append(DraftTree.chain(root, tr.tokens(i, tr.greedy_path(i, slots))) if d.params.greedy
+                         else sampled_chain(tr, i, root, slots, temperature, vocab, d.gen))
+        elif d.params.greedy:  # dflash_config.tree_temperature shapes it as it shapes a DFlash DDTree
+            trees.append(selector_tree(tr, i, root, rows, n, d.draft.config.tree_temperature)[0])
+        else:  # the shape of the best tree over the laws q; its tokens then drawn from them
+            shape = selector_tree(tr, i, root, rows, n, temperature)[0]
+            trees.append(draw_selector_tree(shape, tr, i, temperature, vocab, d.gen))
     return trees
 
 

@@ -1,4 +1,5 @@
-"""The DFlash block drafter: config and module in the public `DFlashDraftModel` layout (IO: `dflash_checkpoint.py`).
+"""The DFlash and DFlash 2 block drafters: config and module in the public `DFlashDraftModel` /
+`DFlash2DraftModel` layouts (IO: `checkpoint.py`).
 
 Checkpoint (safetensors, no `model.` prefix; H = hidden size, shared with the target, n = len(target_layer_ids)):
   fc.weight [H, n*H]  hidden_norm.weight [H]  norm.weight [H]
@@ -12,6 +13,13 @@ write it, and in `dflash_config` as newer ones do) and `dflash_config.{target_la
 KV injection: the context c = hidden_norm(fc(concat(tapped target states))) goes, in every layer, through that
 layer's own k/v projections (k-norm, RoPE at the context positions; no input norm) and is prepended to the
 block's keys/values. Queries come from block tokens only; nothing is causal inside the block.
+
+DFlash 2 (`architectures: ["DFlash2DraftModel"]`, z-lab's `dflash` 0.1.0) adds, per layer, a grouped dynamic
+causal convolution before and after the attention and the MLP (`conv.py`:
+layers.{i}.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}) and a candidate selector that picks the
+block's path from each slot's top-k (`selector.py`: candidate_selector.{predecessor,successor}_codebook [V, r],
+candidate_selector.hidden_projection.weight [r, H]); dflash_config gains conv_kernel_size, conv_group_size,
+selector_rank, selector_top_k.
 """
 
 from __future__ import annotations
@@ -30,8 +38,12 @@ from specserve.layers.attention import attend
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rope import RotaryEmbedding, apply_rope
 from specserve.models.llama import MLP
+from specserve.speculative.dflash.conv import GroupedCausalConv
+from specserve.speculative.dflash.selector import CandidateSelector
 
 ARCH = "DFlashDraftModel"
+ARCH2 = "DFlash2DraftModel"
+V2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 FLAG = "--speculative-draft-model-path"
 ContextKV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per draft layer: k, v [B, Hkv, C, D]
 
@@ -72,8 +84,27 @@ class DFlashConfig:
     # token rebuilt, as large as it was, as the best tree over the block's laws given it (more accepted tokens for
     # one more block forward per token: a gain where the drafter's forward is cheap next to the target's)
     greedy_reveal: int = 0
+    # DFlash 2 (all four set) or DFlash (all 0)
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def __post_init__(self) -> None:
+        v2 = [getattr(self, f) for f in V2_FIELDS]
+        if any(v < 0 for v in v2) or (any(v2) and not all(v2)):
+            raise ValueError(f"dflash_config.{{{', '.join(V2_FIELDS)}}} must all be > 0 (DFlash 2) or all absent "
+                             f"(DFlash), got {v2}")
+        if self.is_v2:
+            if self.body.hidden_size % self.conv_group_size:
+                raise ValueError(f"dflash_config.conv_group_size {self.conv_group_size} must divide hidden_size "
+                                 f"{self.body.hidden_size}")
+            if self.selector_top_k > self.body.vocab_size:
+                raise ValueError(f"dflash_config.selector_top_k {self.selector_top_k} exceeds vocab_size "
+                                 f"{self.body.vocab_size}")
+            if self.sample_reveal or self.greedy_reveal:
+                raise ValueError("dflash_config.sample_reveal / greedy_reveal are DFlash calibrations; a DFlash 2 "
+                                 "drafter's selector already conditions each slot on the token before it")
         for name in ("tree_temperature", "sample_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"dflash_config.{name} must be > 0, got {getattr(self, name)}")
@@ -93,6 +124,14 @@ class DFlashConfig:
                              f"{self.body.vocab_size})")
 
     @property
+    def is_v2(self) -> bool:
+        return self.conv_kernel_size > 0
+
+    @property
+    def architecture(self) -> str:
+        return ARCH2 if self.is_v2 else ARCH
+
+    @property
     def capture(self) -> tuple[int, ...]:
         """Our `capture` indices (HF hidden_states) of the tapped layer outputs, in fc's input order."""
         return tuple(i + 1 for i in self.target_layer_ids)
@@ -100,16 +139,20 @@ class DFlashConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> DFlashConfig:
         archs = raw.get("architectures") or []
-        if ARCH not in archs:
-            raise ValueError(f"architectures {archs} is not [{ARCH!r}]; this is not a DFlash drafter checkpoint")
+        if ARCH not in archs and ARCH2 not in archs:
+            raise ValueError(f"architectures {archs} is not [{ARCH!r}] or [{ARCH2!r}]; this is not a DFlash drafter "
+                             "checkpoint")
+        v2 = ARCH2 in archs
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
         if raw.get("is_causal") or any(t != "full_attention" for t in raw.get("layer_types") or []):
             raise ValueError("causal or sliding-window draft layers (is_causal / layer_types) are not supported")
         dcfg = dict(raw.get("dflash_config") or {})
-        for key in ("conv_kernel_size", "selector_rank", "projector_type", "final_logit_softcapping"):
+        for key in ("projector_type", "final_logit_softcapping", *(() if v2 else V2_FIELDS)):
             if dcfg.get(key):
-                raise ValueError(f"dflash_config.{key} (a DFlash variant) is not supported")
+                raise ValueError(f"dflash_config.{key} (a DFlash variant) is not supported"
+                                 + (f"; a DFlash 2 checkpoint names architectures [{ARCH2!r}]" if key in V2_FIELDS
+                                    else ""))
         for key in ("output_multiplier", "input_embedding_scale"):
             if dcfg.get(key) is not None and float(dcfg[key]) != 1.0:
                 raise ValueError(f"dflash_config.{key} != 1 (a DFlash variant) is not supported")
@@ -131,15 +174,21 @@ class DFlashConfig:
             if num_target is None:
                 raise ValueError("dflash_config.target_layer_ids and num_target_layers are both missing")
             ids = default_target_layer_ids(int(num_target), body.num_hidden_layers)
+        v2_sizes = [0] * len(V2_FIELDS)
+        if v2:
+            missing = [f for f in V2_FIELDS if get(f) is None]
+            if missing:
+                raise ValueError(f"dflash_config lacks {missing}, which a {ARCH2} needs")
+            v2_sizes = [int(get(f)) for f in V2_FIELDS]
         return cls(body, tuple(int(i) for i in ids), int(mask), int(get("block_size") or 16),
                    None if num_target is None else int(num_target), float(dcfg.get("tree_temperature", 1.0)),
                    float(dcfg.get("sample_temperature", 1.0)), int(dcfg.get("sample_reveal", 0)),
-                   int(dcfg.get("greedy_reveal", 0)))
+                   int(dcfg.get("greedy_reveal", 0)), *v2_sizes)
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         b = self.body
         out: dict[str, Any] = {
-            "architectures": [ARCH], "model_type": "qwen3",
+            "architectures": [self.architecture], "model_type": "qwen3",
             "hidden_size": b.hidden_size, "intermediate_size": b.intermediate_size,
             "num_hidden_layers": b.num_hidden_layers, "num_attention_heads": b.num_attention_heads,
             "num_key_value_heads": b.num_key_value_heads, "head_dim": b.head_dim, "vocab_size": b.vocab_size,
@@ -156,6 +205,8 @@ class DFlashConfig:
         for name in ("tree_temperature", "sample_temperature"):
             if getattr(self, name) != 1.0:
                 out["dflash_config"][name] = getattr(self, name)
+        if self.is_v2:
+            out["dflash_config"].update({name: getattr(self, name) for name in V2_FIELDS})
         for name in ("sample_reveal", "greedy_reveal"):
             if getattr(self, name):
                 out["dflash_config"][name] = getattr(self, name)
@@ -216,19 +267,31 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, conv: tuple[int, int] | None = None) -> None:
+        """conv: (kernel size, group size) of DFlash 2's convolutions around both sublayers; None for DFlash."""
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv = None if conv is None else GroupedCausalConv(cfg.hidden_size, *conv)
+        self.mlp_conv = None if conv is None else GroupedCausalConv(cfg.hidden_size, *conv)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor | None, queries: int | None = None) -> torch.Tensor:
-        """x [B, Q, H] -> [B, q, H], the first q = `queries` (default Q) positions' outputs."""
+                ctx_v: torch.Tensor, mask: torch.Tensor | None, queries: int | None = None,
+                segment: int | None = None) -> torch.Tensor:
+        """x [B, Q, H] -> [B, q, H], the first q = `queries` (default Q) positions' outputs. segment: positions
+        per block for DFlash 2's convolutions (None: x is one block)."""
         nq = x.shape[1] if queries is None else queries
-        x = x[:, :nq] + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask, nq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x[:, :nq] + self.self_attn(h, cos, sin, ctx_k, ctx_v, mask, nq)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        assert self.mlp_conv is not None
+        h, taps = self.attention_conv.before(h, segment)
+        x = x[:, :nq] + self.attention_conv.after(self.self_attn(h, cos, sin, ctx_k, ctx_v, mask, nq), taps, segment)
+        h, taps = self.mlp_conv.before(self.post_attention_layernorm(x), segment)
+        return x + self.mlp_conv.after(self.mlp(h), taps, segment)
 
 
 class DFlashDraftModel(nn.Module):
@@ -238,9 +301,12 @@ class DFlashDraftModel(nn.Module):
         body = cfg.body
         self.fc = nn.Linear(len(cfg.target_layer_ids) * body.hidden_size, body.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(body) for _ in range(body.num_hidden_layers))
+        conv = (cfg.conv_kernel_size, cfg.conv_group_size) if cfg.is_v2 else None
+        self.layers = nn.ModuleList(DFlashLayer(body, conv) for _ in range(body.num_hidden_layers))
         self.norm = RMSNorm(body.hidden_size, body.rms_norm_eps)
         self.rotary = RotaryEmbedding(body.rope, body.head_dim)
+        self.candidate_selector = (CandidateSelector(body.hidden_size, body.vocab_size, cfg.selector_rank,
+                                                     cfg.selector_top_k) if cfg.is_v2 else None)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """features [B, C, n*H] tapped target states, positions [B, C] -> per layer k, v [B, Hkv, C, D]."""
@@ -249,16 +315,19 @@ class DFlashDraftModel(nn.Module):
         return [cast(DFlashLayer, layer).self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, noise: torch.Tensor, positions: torch.Tensor, context: ContextKV,
-                mask: torch.Tensor | None = None, outputs: int | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, outputs: int | None = None,
+                segment: int | None = None) -> torch.Tensor:
         """noise [B, Q, H] block embeddings at positions [B, Q] -> final-normed hidden [B, q, H] (target LM head
         ready) of the first q = `outputs` (default Q) positions. mask [B|1, 1, Q, C+Q] bool over (context,
         block) keys; None = every key visible. Exact for any q: the last layer still takes every position as a
-        key, and only its queries, output projection and MLP are cut to the positions read."""
+        key, and only its queries, output projection and MLP are cut to the positions read (DFlash 2's
+        convolutions are causal, so the cut positions feed none of those read). segment: positions per block
+        when noise lays several blocks end to end (training); None: one block."""
         x = noise
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, (k, v)) in enumerate(zip(self.layers, context, strict=True)):
-            x = layer(x, cos, sin, k, v, mask, outputs if i == last else None)
+            x = layer(x, cos, sin, k, v, mask, outputs if i == last else None, segment)
         return self.norm(x)
 
     def append_context(self, cache: ContiguousKVCache, start: int, features: torch.Tensor,
@@ -277,12 +346,16 @@ class DFlashDraftModel(nn.Module):
         """Training forward: features [B, T, n*H] (context at positions 0..T-1), noise [B, N*bs, H] embeddings of
         N blocks [anchor token, MASK...], anchors [B, N] -> logits [B, N*bs, V]. Block j sits at anchors[:, j] + k
         and sees context positions < anchors[:, j] plus itself (bidirectionally), not the other blocks."""
+        return lm_head(self.train_hidden(features, noise, anchors))
+
+    def train_hidden(self, features: torch.Tensor, noise: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """`train_blocks` before the LM head: [B, N*bs, H] final-normed block outputs."""
         b, t, _ = features.shape
         bs = noise.shape[1] // anchors.shape[1]
         offsets = torch.arange(bs, device=anchors.device)
         positions = (anchors[:, :, None] + offsets).reshape(b, -1)  # [B, N*bs]
         context = self.context_kv(features, torch.arange(t, device=features.device).expand(b, t))
-        return lm_head(self(noise, positions, context, block_attention_mask(anchors, bs, t)))
+        return self(noise, positions, context, block_attention_mask(anchors, bs, t), segment=bs)
 
 
 def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
