@@ -14,6 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from specserve.models.llama import CausalLM
+from specserve.models.loader import load_model
+
 from tiny import make_checkpoint
 
 # Tiers (`pytest -m "not server and not train"` is the fast tier; the README's command runs them all).
@@ -44,6 +47,14 @@ torch.set_num_threads(1)
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 target with a byte-level BPE tokenizer."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "Qwen3ForCausalLM", seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir: Path) -> CausalLM:
+    """The tiny Qwen3 target loaded in float32 (the drafters' unit tests share it within a module)."""
+    model, _, _ = load_model(tiny_dir, torch.device("cpu"), torch.float32)
+    assert isinstance(model, CausalLM)
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from reference_decoding import generate_plain, generate_speculative
 from specserve.config import ModelConfig, SpeculativeConfig
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
-from specserve.models.loader import load_model
 from specserve.speculative.dflash.checkpoint import check_dflash, init_random_dflash, load_dflash, save_dflash
 from specserve.speculative.dflash.drafter import DFlashDrafter
 from specserve.speculative.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
@@ -32,13 +31,6 @@ LAYER_PARTS = [
     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
     "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
 ]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir: Path) -> CausalLM:
-    model, _, _ = load_model(tiny_dir, CPU, torch.float32)
-    assert isinstance(model, CausalLM)
-    return model
 
 
 @pytest.fixture(scope="module")

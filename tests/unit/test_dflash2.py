@@ -13,7 +13,6 @@ import torch
 from reference_decoding import generate_plain, generate_speculative
 from specserve.config import SpeculativeConfig
 from specserve.models.llama import CausalLM
-from specserve.models.loader import load_model
 from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash, save_dflash
 from specserve.speculative.dflash.conv import grouped_causal_conv
 from specserve.speculative.dflash.drafter import DFlashDrafter
@@ -25,13 +24,6 @@ from specserve.types import SamplingParams
 CPU = torch.device("cpu")
 BS = 6
 V2 = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 5}
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir: Path) -> CausalLM:
-    model, _, _ = load_model(tiny_dir, CPU, torch.float32)
-    assert isinstance(model, CausalLM)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import ContiguousKVCache
 from specserve.layers.sampling import target_probs
 from specserve.models.llama import CausalLM
-from specserve.models.loader import load_model
 from specserve.speculative.eagle3.checkpoint import check_eagle3, init_random_eagle3, load_eagle3, save_eagle3
 from specserve.speculative.eagle3.drafter import Eagle3Drafter
 from specserve.speculative.eagle3.model import Eagle3Config, Eagle3Model, default_aux_layer_ids
@@ -32,13 +31,6 @@ CPU = torch.device("cpu")
 AUX = (1, 2, 3)  # the tiny target has 3 layers: HF hidden_states indices 0..3
 V = TINY_VOCAB
 DRAFT_IDS = sorted(random.Random(7).sample(range(V), 40))  # a scattered draft vocabulary
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir: Path) -> CausalLM:
-    model, _, _ = load_model(tiny_dir, CPU, torch.float32)
-    assert isinstance(model, CausalLM)
-    return model
 
 
 @pytest.fixture(scope="module", params=["shared-embedding", "own-embedding"])

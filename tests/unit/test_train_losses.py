@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from specserve.config import SpeculativeConfig
 from specserve.kv.contiguous import ContiguousKVCache
 from specserve.models.llama import CausalLM
-from specserve.models.loader import load_model
 from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash
 from specserve.speculative.dflash.drafter import DFlashDrafter
 from specserve.speculative.dflash.model import DFlashDraftModel
@@ -50,13 +49,6 @@ from tiny import TINY_VOCAB
 CPU = torch.device("cpu")
 AUX = (1, 2, 3)
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir: Path) -> CausalLM:
-    model, _, _ = load_model(tiny_dir, CPU, torch.float32)
-    assert isinstance(model, CausalLM)
-    return model
 
 
 @pytest.fixture(scope="module")
