@@ -89,3 +89,18 @@ def test_answered_chat_tasks_carry_the_sources_function() -> None:
     assert fixed not in tasks[1]["messages"][0]["content"]  # the prompt shows the code with one flip
     with pytest.raises(ValueError, match="--answers needs --kinds"):
         build_tasks("train", 2, answers=True, kinds=("write", "explain"))
+
+
+def test_packages_split_leaves_out_the_held_out_packages_vendored_trees_and_tests() -> None:
+    from specserve.train.chat_prompts import HELDOUT_PACKAGES, _package_file
+
+    for rel in ("rich/console.py", "pip/_internal/req.py", "foo/_vendor/rich/console.py", "foo/vendored/x.py",
+                "numpy/tests/test_core.py", "bar/click/core.py"):
+        assert not _package_file(rel), rel
+    files = source_files("packages")
+    assert len(files) > 100  # the test extras alone install hundreds of files
+    for _, rel in files:
+        dirs = rel.split("/")[:-1]
+        assert not set(dirs) & {*HELDOUT_PACKAGES, "_vendor", "tests"}, rel
+    kept = sum(_package_file(f"pkg/m{i}.py") for i in range(1000))
+    assert 950 < kept < 1000  # about 2% of the files held back, by a stable hash of the path

@@ -209,7 +209,7 @@ lossless round would): chi-square on the first two tokens emitted."""
         law[outside] = 0.1
         laws.append(law)
     counts: dict[tuple[int, int], int] = {}
-    trials = 3000
+    trials = 2000
     for _ in range(trials):
         t = d.propose(root)
         p = torch.stack([laws[min(int(depth), 1)] for depth in t.depths])  # [N+1, V] by the node's depth

@@ -24,8 +24,11 @@ it, for the target to label in one prefill (`train/data.py`).
 
 `train` takes functions from the standard library's training split (`corpus.is_validation` false, tests left
 out); `val` from its validation split (other files: for choosing a checkpoint); `heldout` from the files of the
-eight third-party packages the held-out code suite is cut from. No two splits share a file, and no training
-prompt shares a function's text with the held-out suite.
+eight third-party packages the held-out code suite is cut from; `packages` from every other package installed
+beside specserve (torch, numpy, transformers, ...: many more functions than the standard library, for answered
+data at scale), leaving out the held-out packages wherever they sit (vendored copies too), vendored trees and
+tests, and 2% of the files by a stable hash of their path, as `val` does. No two splits share a file, and no
+training prompt shares a function's text with the held-out suite.
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ from typing import Any
 from specserve.bench.suites import CHAT_KINDS as KINDS
 from specserve.train import corpus
 
-SPLITS = ("train", "val", "heldout")
+SPLITS = ("train", "val", "heldout", "packages")
 HELDOUT_PACKAGES = ("httpx", "pydantic", "click", "rich", "jinja2", "aiohttp", "openai", "pip")
+#: directories whose files are never `packages` data: the held-out packages wherever they sit (vendored copies
+#: too), vendored trees, tests
+NOT_PACKAGES = (*HELDOUT_PACKAGES, "_vendor", "vendor", "vendored", "test", "tests", "testing")
 MIN_LINES, MAX_LINES, MAX_CHARS = 5, 30, 1400
 #: one flip per `fix` task: (pattern, replacement), tried in order
 FLIPS = ((r" == ", " != "), (r" < ", " <= "), (r" > ", " >= "), (r" \+ 1", " - 1"), (r" and ", " or "),
@@ -146,6 +152,12 @@ def _stable(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
 
 
+def _package_file(rel: str, val_fraction: float = 0.02) -> bool:
+    """A file of site-packages (path relative to it) that the `packages` split takes."""
+    dirs = rel.split("/")[:-1]
+    return not any(d in NOT_PACKAGES for d in dirs) and _stable("val:" + rel) / 2**64 >= val_fraction
+
+
 def source_files(split: str) -> list[tuple[Path, str]]:
     if split in ("train", "val"):
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -153,6 +165,9 @@ def source_files(split: str) -> list[tuple[Path, str]]:
                 if corpus.is_validation(p) == (split == "val")
                 and not any(x in ("test", "tests", "idle_test") for x in p.parts)]
     root = Path(sysconfig.get_paths()["purelib"])
+    if split == "packages":
+        rels = ((p, str(p.relative_to(root))) for p in sorted(root.rglob("*.py")))
+        return [(p, rel) for p, rel in rels if _package_file(rel)]
     files = []
     for pkg in HELDOUT_PACKAGES:
         base = root / pkg
