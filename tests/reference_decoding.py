@@ -176,3 +176,23 @@ def generate_speculative(
         num_verify_steps=len(accept_lengths), accept_lengths=accept_lengths,
         accept_per_position=per_pos, draft_s=draft_s, verify_s=verify_s,
     )
+
+
+def first_pairs_p_value(speculative: list[GenerationResult], plain: list[GenerationResult]) -> float:
+    """Chi-square p-value of the joint law of the first two tokens, speculative runs against plain ones (as many
+    of each): pairs seen 10 times or more are cells, the rest one cell. Fails if fewer than 3 such pairs exist (too
+    peaked a law leaves the test without power)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    n = len(speculative)
+    assert len(plain) == n
+    a, b = (Counter(tuple(r.token_ids[:2]) for r in rs) for rs in (speculative, plain))
+    common = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    assert len(common) >= 3, "the test needs a spread-out distribution to have power"
+    table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
+             [b[k] for k in common] + [n - sum(b[k] for k in common)]]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    return float(chi2_contingency(table)[1])

@@ -6,14 +6,13 @@ continuous batch); the plain reference is the independent oracle of `tests/refer
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from reference_decoding import generate_plain
+from reference_decoding import first_pairs_p_value, generate_plain
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm import LLM
 from specserve.speculative.dflash.checkpoint import init_random_dflash, load_dflash, save_dflash
@@ -184,10 +183,6 @@ def test_near_the_context_limit(tmp_path: Path, tiny_draft_dir: Path) -> None:
         assert run_spec(llm, spec, ids, params).token_ids == want.token_ids
 
 
-def _pairs(results: list[GenerationResult]) -> Counter[tuple[int, ...]]:
-    return Counter(tuple(r.token_ids[:2]) for r in results)
-
-
 @pytest.fixture(scope="module")
 def dflash_reveal_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Path:
     """A random drafter shown its trees' first paths, sampled ones two tokens deep, greedy ones one (its greedy
@@ -203,8 +198,6 @@ def dflash_reveal_dir(tmp_path_factory: pytest.TempPathFactory, llm: LLM) -> Pat
 def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dflash_dir: Path,
                                              dflash_reveal_dir: Path, dflash2_dir: Path, which: str) -> None:
     """Chi-square on the joint law of the first two tokens, speculative vs plain, 600 seeds each."""
-    from scipy.stats import chi2_contingency
-
     spec = {
         "standalone-chain": SpeculativeConfig.resolve("STANDALONE", str(tiny_draft_dir), num_steps=2),
         "dflash-ddtree": SpeculativeConfig.resolve("DFLASH", str(dflash_dir), dflash_block_size=8,
@@ -226,12 +219,5 @@ def test_sampling_matches_plain_distribution(llm: LLM, tiny_draft_dir: Path, dfl
     pl = [plain(llm, ids, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3, seed=10_000 + s,
                                     ignore_eos=True))
           for s in range(n)]
-    a, b = _pairs(sp), _pairs(pl)
-    common = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-    table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
-             [b[k] for k in common] + [n - sum(b[k] for k in common)]]
-    if table[0][-1] + table[1][-1] == 0:
-        table = [row[:-1] for row in table]
-    assert len(common) >= 3, "the test needs a spread-out distribution to have power"
-    p_value = chi2_contingency(table)[1]
+    p_value = first_pairs_p_value(sp, pl)
     assert p_value > 0.001, (which, p_value)

@@ -4,11 +4,11 @@ earlier turns, on the device and from the host tier."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from reference_decoding import first_pairs_p_value
 from specserve.config import SpeculativeConfig
 from specserve.engine.engine_config import EngineConfig
 from specserve.engine.llm import LLM
@@ -49,8 +49,6 @@ def test_greedy_equals_plain_at_concurrency_16(suffix_llm: LLM) -> None:
 def test_sampling_keeps_the_law_with_a_filled_cache(tiny_dir: Path) -> None:
     """Chi-square on the first two tokens' joint law, after a sampled batch of the same prompt filled the cache
     (its trees then come from other requests' samples)."""
-    from scipy.stats import chi2_contingency
-
     llm = LLM(tiny_dir, device="cpu", dtype="float32",
               speculative=SpeculativeConfig.resolve("SUFFIX", suffix_min_token_prob=0.0))
     ids = llm.encode("a = 1\nb = 2\na = 1\nb")
@@ -66,14 +64,7 @@ def test_sampling_keeps_the_law_with_a_filled_cache(tiny_dir: Path) -> None:
     sp = llm.generate([ids] * n, sampled(n, 0, 2))
     pl = llm.generate_plain([ids] * n, sampled(n, 10_000, 2))
     assert sum(r.num_verify_steps for r in sp) > 0
-    a, b = (Counter(tuple(r.token_ids[:2]) for r in rs) for rs in (sp, pl))
-    common = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-    table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
-             [b[k] for k in common] + [n - sum(b[k] for k in common)]]
-    if table[0][-1] + table[1][-1] == 0:
-        table = [row[:-1] for row in table]
-    assert len(common) >= 3
-    assert chi2_contingency(table)[1] > 0.001
+    assert first_pairs_p_value(sp, pl) > 0.001
 
 
 def test_a_later_turn_reuses_its_conversation_blocks(tiny_dir: Path) -> None:
