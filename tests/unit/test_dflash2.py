@@ -18,6 +18,7 @@ from specserve.speculative.dflash.conv import grouped_causal_conv
 from specserve.speculative.dflash.drafter import DFlashDrafter
 from specserve.speculative.dflash.model import DFlashDraftModel
 from specserve.speculative.dflash.selector import Transitions, draw_selector_tree, selector_tree
+from specserve.speculative.trees.tree import DraftTree
 from specserve.speculative.verify import verify_sampled
 from specserve.types import SamplingParams
 
@@ -242,3 +243,22 @@ def test_dflash2_from_a_dflash_drafter_drafts_its_blocks(target: CausalLM, tmp_p
     with torch.no_grad():
         got, want = (m(noise, pos[:, 5:], m.context_kv(feats, pos[:, :5])) for m in (v2, v1))
     torch.testing.assert_close(got, want)
+
+
+def test_a_drawn_tree_leaves_out_nodes_whose_law_ran_dry() -> None:
+    """A shape asking for more siblings than their law has candidates of any mass (a drawn parent's law sharper
+    than the shape assumed) gets only the nodes that can be drawn, their subtrees with them, each with its law."""
+    cands = torch.stack([torch.arange(4) + 10 * s for s in range(3)])[None]
+    peaked = torch.tensor([0.0, -200.0, -200.0, -200.0])  # exp(-200) is 0 in float32: one candidate of mass
+    step = torch.zeros(1, 2, 4, 4)
+    step[0, 0, 0] = peaked
+    tr = Transitions(cands, peaked[None].clone(), step)
+    # root -> one slot-0 node -> three slot-1 children, the first with a child of its own
+    shape = DraftTree(torch.tensor([99, 0, 0, 0, 0, 0]), torch.tensor([-1, 0, 1, 1, 1, 2]),
+                      torch.tensor([0, 1, 2, 2, 2, 3]))
+    drawn = draw_selector_tree(shape, tr, 0, 1.0, 40, torch.Generator().manual_seed(0))
+    assert drawn.draft_probs is not None and torch.isfinite(drawn.draft_probs).all()
+    assert drawn.parents.tolist() == [-1, 0, 1, 2] and drawn.depths.tolist() == [0, 1, 2, 3]
+    assert drawn.tokens.tolist()[:3] == [99, 0, 10]
+    for i in range(1, drawn.num_nodes + 1):
+        assert abs(float(drawn.draft_probs[i].sum()) - 1.0) < 1e-5 and drawn.draft_probs[i, drawn.tokens[i]] > 0

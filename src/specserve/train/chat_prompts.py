@@ -145,7 +145,8 @@ def with_answer(task: dict[str, Any], fn: Function) -> dict[str, Any]:
     """`task` about `fn` with the source's own answer appended as the assistant's turn."""
     if task["kind"] not in ANSWERED:
         raise ValueError(f"a {task['kind']!r} task has no answer in the source; --answers takes {', '.join(ANSWERED)}")
-    return {**task, "messages": [*task["messages"], {"role": "assistant", "content": f"```python\n{fn.code}```"}]}
+    answer = f"```python\n{fn.code.rstrip()}\n```"
+    return {**task, "messages": [*task["messages"], {"role": "assistant", "content": answer}]}
 
 
 def _stable(key: str) -> int:

@@ -145,7 +145,7 @@ def block_streak(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
 
 def selector_batch(logits: torch.Tensor, labels: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, Q, V], labels [B, Q] -> candidates [B, Q, K] (the top-k, the label in place of the last one
-    where it is not among them) and the label's index among them [B]."""
+    where it is not among them) and the label's index among them [B, Q]."""
     cands = torch.topk(logits.detach(), top_k, dim=-1).indices  # [B, Q, K]
     hit = cands == labels[..., None]
     missing = ~hit.any(dim=-1)
@@ -169,8 +169,8 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, logits: tor
 
 
 def block_prev(ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """ids [B, T], anchors [B, N] -> [B, N*bs]: the data token before each block position (a+k-1; the anchor's
-    own token for k = 0 and 1)."""
+    """ids [B, T], anchors [B, N] -> [B, N*bs]: the data token before each block position, ids[a+k-1] (the anchor's
+    own token for k = 1; for k = 0, whose weight is 0, the token before the anchor)."""
     pos = anchors[:, :, None] + torch.arange(block_size, device=ids.device) - 1  # [B, N, bs]
     return ids.gather(1, pos.clamp(min=0, max=ids.shape[1] - 1).flatten(1))
 

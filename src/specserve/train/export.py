@@ -57,7 +57,8 @@ def source_dir(path: Path) -> Path:
 
 
 def _probe(model: Eagle3Model | DFlashDraftModel, target: ModelConfig) -> torch.Tensor:
-    """A fixed input through the drafter -> its output [1, 8, *]."""
+    """A fixed input through the drafter -> its output [1, 8, *] (DFlash 2: with its selector's scores, flattened,
+    so the codebooks and projection are checked too)."""
     gen = torch.Generator().manual_seed(0)
     dtype = next(model.parameters()).dtype
     pos = torch.arange(8)[None]
@@ -70,7 +71,12 @@ def _probe(model: Eagle3Model | DFlashDraftModel, target: ModelConfig) -> torch.
         d = model.config
         feats = torch.randn(1, 8, len(d.target_layer_ids) * target.hidden_size, generator=gen).to(dtype)
         noise = torch.randn(1, 4, target.hidden_size, generator=gen).to(dtype)
-        return model(noise, pos[:, 4:], model.context_kv(feats[:, :4], pos[:, :4]))
+        out = model(noise, pos[:, 4:], model.context_kv(feats[:, :4], pos[:, :4]))  # [1, 4, H]
+        if model.candidate_selector is None:
+            return out
+        unary = torch.randn(1, 3, d.body.vocab_size, generator=gen)
+        tr = model.candidate_selector.transitions(out[:, 1:], unary, torch.tensor([1]))
+        return torch.cat((out.float().flatten(), tr.first.flatten(), tr.step.flatten(), tr.cands.flatten().float()))
 
 
 def _model_card(kind: str, fmt: str, out: Path, target: str, summary: dict[str, Any] | None) -> str:

@@ -31,8 +31,8 @@ def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {(k.removesuffix(".weight") if k.removesuffix(".weight") in _CODEBOOKS else k): v for k, v in state.items()}
 
 
-def _our_name(name: str) -> str:
-    """A checkpoint name (either codebook form, `model.` prefix or not) -> the published one."""
+def _published_name(name: str) -> str:
+    """A checkpoint name (either codebook form, `model.` prefix or not) -> the published one, unprefixed."""
     name = name.removeprefix("model.")
     return name.removesuffix(".weight") if name.removesuffix(".weight") in _CODEBOOKS else name
 
@@ -88,7 +88,7 @@ def _check_weights(model_dir: Path, cfg: DFlashConfig) -> list[Path]:
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    found[_our_name(name)] = tuple(handle.get_slice(name).get_shape())
+                    found[_published_name(name)] = tuple(handle.get_slice(name).get_shape())
     except (ValueError, SafetensorError, OSError) as e:
         raise ValueError(f"{where}: {e}") from None
     expected = _expected_shapes(cfg)
@@ -123,7 +123,7 @@ def load_dflash(path: str | Path, target_cfg: ModelConfig, device: torch.device,
     cfg = read_dflash_config(model_dir)
     check_against_target(cfg, target_cfg, f"{FLAG} {model_dir}")
     files = _check_weights(model_dir, cfg)
-    tensors = {f"model.{_our_name(k)}": t for k, t in iter_tensors(files)}
+    tensors = {f"model.{_published_name(k)}": t for k, t in iter_tensors(files)}
     fused = {k.removeprefix("model."): t for k, t in fuse_hf_state(tensors).items()}
     fused = {(f"{k}.weight" if k in _CODEBOOKS else k): t for k, t in fused.items()}
     with torch.device("meta"):

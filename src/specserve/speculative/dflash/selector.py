@@ -150,26 +150,38 @@ def draw_selector_tree(shape: DraftTree, tr: Transitions, row: int, temperature:
     """shape's nodes (parents first) filled by drawing: the children of a node, in order, from the law its own
     drawn token gives (the root's: slot 0's law after the anchor), without the candidates their earlier siblings
     drew (renormalised). Each node keeps the exact law it was drawn from, which is all recursive rejection
-    (`verify.verify_sampled`) needs: the laws depend on the drafts, never on the target."""
+    (`verify.verify_sampled`) needs: the laws depend on the drafts, never on the target. A node whose law has no
+    mass left (its drawn parent's law is sharper than the shape assumed: more siblings than candidates of positive
+    probability) is left out, with its subtree."""
     first, step = tr.laws(row, temperature)
     parents: list[int] = shape.parents.tolist()
     depths: list[int] = shape.depths.tolist()
-    n = len(parents)
-    index = [-1] * n  # each node's drawn candidate index
+    keep = [0]  # the shape's nodes drawn, in order
+    new_of = {0: 0}  # shape node -> its index in the drawn tree
+    index = {0: -1}  # drawn candidate index of each kept shape node
     taken: dict[int, torch.Tensor] = {}  # parent -> its children's law so far (drawn candidates zeroed)
-    probs = torch.zeros(n, vocab, dtype=torch.float32, device=first.device)
-    tokens = shape.tokens.clone().to(first.device)
-    for i in range(1, n):
+    rows = [torch.zeros(vocab, dtype=torch.float32, device=first.device)]
+    tokens = [int(shape.tokens[0])]
+    for i in range(1, len(parents)):
         p, s = parents[i], depths[i] - 1
+        if p not in new_of:
+            continue  # its parent was left out
         law = taken.get(p)
         if law is None:
             law = (first if p == 0 else step[s - 1, index[p]]).clone()
-        law = law / law.sum()
+        total = float(law.sum())
+        if not total > 0:
+            continue
+        law = law / total
         j = int(torch.multinomial(law, 1, generator=generator))
-        index[i] = j
-        probs[i] = _dense(law, tr.cands[row, s], vocab)
-        tokens[i] = tr.cands[row, s, j]
+        new_of[i], index[i] = len(keep), j
+        keep.append(i)
+        rows.append(_dense(law, tr.cands[row, s], vocab))
+        tokens.append(int(tr.cands[row, s, j]))
         law = law.clone()
         law[j] = 0.0
         taken[p] = law
-    return DraftTree(tokens, shape.parents.to(first.device), shape.depths.to(first.device), probs)
+    dev = first.device
+    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=dev),
+                     torch.tensor([-1] + [new_of[parents[i]] for i in keep[1:]], dtype=torch.long, device=dev),
+                     torch.tensor([depths[i] for i in keep], dtype=torch.long, device=dev), torch.stack(rows))
