@@ -20,7 +20,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -268,11 +267,6 @@ inline void dpbusd_bcast(__m512i& s, __m512i w, const int32_t* x) {
   asm("vpdpbusd %[x]%{1to16%}, %[w], %[s]" : [s] "+v"(s) : [w] "v"(w), [x] "m"(*x));
 }
 
-inline bool nta_variant() {
-  static const bool v = std::getenv("SPECSERVE_NTA") != nullptr;
-  return v;
-}
-
 template <int R, int KIND>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void vnni_chunk(const Weights& W, int64_t g, const int8_t* xq, const float* xd, const float* xs, int64_t r0,
@@ -284,11 +278,13 @@ void vnni_chunk(const Weights& W, int64_t g, const int8_t* xq, const float* xd, 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t gb = g * nb + b;
     __m512i w[8];
-    if (R <= 2) {  // a few rows are bound by reading: ask for the blocks a few ahead (groups are contiguous)
+    // a few rows are bound by reading: ask for the blocks a few ahead (groups are contiguous), as non-temporal
+    // data, read once a step: the stream of weights then leaves the caches' other contents (the interpreter's,
+    // the next op's) in place (batch-1 decode about 4% faster, 8 of 9 paired runs)
+    if (R <= 2) {
       const uint8_t* ahead = W.w + (gb + 6) * (KIND == Q4 ? 256 : 512);
       for (int c = 0; c < (KIND == Q4 ? 4 : 8); ++c) {
-        if (nta_variant()) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * c), _MM_HINT_NTA);
-        else _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * c), _MM_HINT_NTA);
       }
     }
     if (KIND == Q4) {
