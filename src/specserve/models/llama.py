@@ -128,10 +128,10 @@ class DecoderLayer(nn.Module):
     def fused_plan(self) -> FusedLayer | None:
         """The layer as five kernel calls (`models/fused.py`) where its projections are int4/int8 on the kernel;
         read once, again only when the projections are swapped (`--quantization`)."""
-        attn = self.self_attn
         owner, plan = self._fused
-        if owner is not attn.qkv_proj:
-            mlp = self.mlp
+        # checked on every forward of every layer: the registries' dicts, not nn.Module's slower __getattr__
+        if owner is not self._modules["self_attn"]._modules["qkv_proj"]:  # type: ignore[union-attr]
+            attn, mlp = self.self_attn, self.mlp
             plan = FusedLayer.build((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
                                     (self.input_layernorm, self.post_attention_layernorm),
                                     (attn.n_heads, attn.n_kv, attn.scale), self.paged_attention_fuses(),
