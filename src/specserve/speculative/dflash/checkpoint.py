@@ -26,15 +26,15 @@ from specserve.speculative.dflash.model import ARCH, FLAG, DFlashConfig, DFlashD
 _CODEBOOKS = tuple(f"candidate_selector.{n}_codebook" for n in ("predecessor", "successor"))
 
 
-def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our parameter names -> the checkpoint's (codebooks without `.weight`)."""
-    return {(k.removesuffix(".weight") if k.removesuffix(".weight") in _CODEBOOKS else k): v for k, v in state.items()}
-
-
 def _published_name(name: str) -> str:
-    """A checkpoint name (either codebook form, `model.` prefix or not) -> the published one, unprefixed."""
+    """A parameter or checkpoint name (either codebook form, `model.` prefix or not) -> the published one,
+    unprefixed (codebooks without `.weight`)."""
     name = name.removeprefix("model.")
     return name.removesuffix(".weight") if name.removesuffix(".weight") in _CODEBOOKS else name
+
+
+def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_published_name(k): v for k, v in state.items()}
 
 
 def read_dflash_config(model_dir: Path) -> DFlashConfig:
@@ -176,7 +176,7 @@ def init_random_dflash(
                 p.normal_(0.0, 0.02, generator=gen)
         for m in module.modules():
             if isinstance(m, GroupedCausalConv):
-                m.base_kernel.zero_()
-                m.base_kernel[:, 0] = 1.0
+                m.reset_identity()
+                m.kernel_projection.weight.normal_(0.0, 0.02, generator=gen)
     save_dflash(module, cfg, path)
     return cfg
