@@ -9,7 +9,9 @@ compacted into contiguous slots before the next round.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -178,17 +180,11 @@ def generate_speculative(
     )
 
 
-def first_pairs_p_value(speculative: list[GenerationResult], plain: list[GenerationResult]) -> float:
-    """Chi-square p-value of the joint law of the first two tokens, speculative runs against plain ones (as many
-    of each): pairs seen 10 times or more are cells, the rest one cell. Fails if fewer than 3 such pairs exist (too
-    peaked a law leaves the test without power)."""
-    from collections import Counter
-
+def counts_p_value(a: Counter[Any], b: Counter[Any], n: int) -> float:
+    """Chi-square p-value of two samples of n outcomes each, counted: outcomes seen 10 times or more are cells, the
+    rest one cell. Fails if fewer than 3 such outcomes exist (too peaked a law leaves the test without power)."""
     from scipy.stats import chi2_contingency
 
-    n = len(speculative)
-    assert len(plain) == n
-    a, b = (Counter(tuple(r.token_ids[:2]) for r in rs) for rs in (speculative, plain))
     common = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
     assert len(common) >= 3, "the test needs a spread-out distribution to have power"
     table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
@@ -196,3 +192,10 @@ def first_pairs_p_value(speculative: list[GenerationResult], plain: list[Generat
     if table[0][-1] + table[1][-1] == 0:
         table = [row[:-1] for row in table]
     return float(chi2_contingency(table)[1])
+
+
+def first_pairs_p_value(speculative: list[GenerationResult], plain: list[GenerationResult]) -> float:
+    """`counts_p_value` of the first two tokens' joint law, speculative runs against plain ones (as many of each)."""
+    assert len(plain) == len(speculative)
+    a, b = (Counter(tuple(r.token_ids[:2]) for r in rs) for rs in (speculative, plain))
+    return counts_p_value(a, b, len(speculative))
