@@ -143,12 +143,16 @@ class DFlashDrafter(Drafter):
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] block outputs -> log-distributions [..., V] float32 (the target's LM head)."""
+        return torch.log_softmax(self._logits(hidden), dim=-1)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] block outputs -> logits [..., V] float32 (the target's LM head)."""
         # as one [N, H] matrix: a strided 3-D slice of the block outputs makes matmul fall back to a batched
         # product over a broadcast weight, 2-6x slower on CPU
         flat = hidden.reshape(-1, hidden.shape[-1])
         if isinstance(self.head, QuantLinear):  # the int8 kernel reads and writes float32
             flat = flat.float()
-        return torch.log_softmax(self.head(flat).float(), dim=-1).view(*hidden.shape[:-1], -1)
+        return self.head(flat).float().view(*hidden.shape[:-1], -1)
 
     def _rows(self, rows: int | None) -> int:
         return self.block_size - 1 if rows is None else max(1, min(rows, self.block_size - 1))
@@ -303,7 +307,7 @@ def _selector_trees(drafters: Sequence[DFlashDrafter], roots: list[int], hidden:
     head and the selector's scores batched over all of them."""
     first = drafters[0]
     assert first.selector is not None
-    unary = first._log_probs(hidden)  # [B, rows, V]
+    unary = first._logits(hidden)  # [B, rows, V]: a constant per slot changes none of the selector's choices
     dev = hidden.device
     tr = first.selector.transitions(hidden, unary, torch.tensor(roots, device=dev))
     vocab, rows = int(unary.shape[-1]), int(hidden.shape[1])
